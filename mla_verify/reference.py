@@ -33,8 +33,13 @@ class ReferenceResult:
 
 
 def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.float64,
-                     chunk_bytes: int | None = None) -> ReferenceResult:
-    """Exact attention of every query token over its causal prefix of the paged cache."""
+                     chunk_bytes: int | None = None, p_dtype: torch.dtype | None = None) -> ReferenceResult:
+    """Exact attention of every query token over its causal prefix of the paged cache.
+
+    ``p_dtype`` (bf16 / fp8) instead emulates a careful low-precision kernel -- the probabilities
+    exp(s - rowmax) rounded to ``p_dtype`` before the second product, as flash-style kernels feed their
+    tensor cores -- for the tolerance model's same-precision baseline.
+    """
     p = problem
     L = p.dims.kv_lora_rank
     B, Q, H, D = p.query.shape
@@ -54,13 +59,14 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             tokens = -(-lens[order[start]] // page) * page  # the group's longest length, whole pages
             count = max(1, min(B - start, chunk_bytes // (tokens * bytes_per_token)))
             idx = torch.tensor(order[start:start + count], device=p.device)
-            o, s = _group(p, idx, tokens // page, precision)
+            o, s = _group(p, idx, tokens // page, precision, p_dtype)
             out[idx], lse[idx] = o, s
             start += count
     return ReferenceResult(out, lse)
 
 
-def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dtype):
+def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dtype,
+           p_dtype: torch.dtype | None):
     """Attention for the sequences ``idx``, all gathered to ``npages`` pages."""
     L = p.dims.kv_lora_rank
     Q, H, page = p.q_len, p.num_heads, p.page_size
@@ -79,9 +85,15 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
     hidden = pos[None, None, :] > last_visible[:, :, None]
     scores.masked_fill_(hidden[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).view(b, Q * H, T)
-    out = torch.bmm(probs, kv[..., :L]).mul_(p.bmm2_scale).view(b, Q, H, L)
-    return out, lse
+    if p_dtype is None:
+        probs = torch.exp(scores - lse[..., None]).view(b, Q * H, T)
+        out = torch.bmm(probs, kv[..., :L])
+    else:
+        unnormalized = torch.exp(scores - scores.amax(-1, keepdim=True))
+        denominator = unnormalized.sum(-1).view(b, Q * H, 1)
+        rounded = unnormalized.to(p_dtype).to(precision).view(b, Q * H, T)
+        out = torch.bmm(rounded, kv[..., :L]) / denominator
+    return out.mul_(p.bmm2_scale).view(b, Q, H, L), lse
 
 
 @contextlib.contextmanager

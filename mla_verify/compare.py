@@ -1,0 +1,152 @@
+"""Error statistics, the tolerance model and per-case verdict reasons.
+
+The tolerance model follows FlashAttention's rule: a kernel may be at most ``FACTOR`` times as wrong as a
+careful same-precision PyTorch computation (the *baseline*: fp32 scores and softmax, probabilities rounded
+to the kernel's operand precision before the second product, output rounded to bf16), plus a floor for the
+rounding any bf16 output must make. Both are measured against the high-precision reference on the very
+same problem, so the bound adapts to sequence length, head count and value distribution.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .problem import DecodeProblem
+from .reference import ReferenceResult, reference_decode
+
+# FlashAttention's factor: 2x the baseline's error for bf16, 4x for fp8 (their fp8 tests use 4x, too) --
+# a kernel may order its sums differently, but not be more than twice as lossy as a careful emulation.
+FACTOR = {"bf16": 2.0, "fp16": 2.0, "fp8": 4.0, "fp32": 2.0, "fp64": 2.0}
+# The operand precision of the second product (P @ V) a careful kernel uses, by input dtype.
+P_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
+           "fp32": torch.float32, "fp64": torch.float64}
+# Cosine-difference ceilings, independent of the baseline. bf16: FlashMLA's 1e-5 (a correct bf16 kernel sits
+# near rel_l2^2 / 2 ~ 2e-6). fp8: with fp8 probabilities rel_l2 reaches ~3e-2, i.e. ~5e-4; 2e-3 leaves 4x.
+COS_DIFF_MAX = {"bf16": 1e-5, "fp16": 1e-5, "fp8": 2e-3, "fp32": 1e-8, "fp64": 1e-8}
+# LSE: a kernel sums fp32 exponentials of fp32 scores (exact products of bf16/fp8 operands), so its LSE is
+# off by ~1e-5; 2e-3 + 1e-4 |lse| leaves a wide margin yet a base mix-up (a factor ln 2 ~ 0.69) misses by far.
+LSE_ABS_TOL = 2e-3
+LSE_REL_TOL = 1e-4
+
+
+@dataclass
+class ErrorStats:
+    max_abs: float  # max |out - ref|
+    allowed_max_abs: float
+    rel_l2: float  # ||out - ref|| / ||ref||
+    allowed_rel_l2: float
+    baseline_max_abs: float  # the same-precision baseline's errors, for the record
+    baseline_rel_l2: float
+    cos_diff: float  # 1 - 2<out, ref> / (|out|^2 + |ref|^2), FlashMLA's measure
+    worst: tuple[int, int, int, int]  # (batch, token, head, dim) of the largest |out - ref|
+    lse_max_abs: float | None = None
+    allowed_lse_abs: float | None = None
+
+    @property
+    def error_ratio(self) -> float:
+        """max over checks of (error / allowed): < 1 passes. Hypothesis climbs it when fuzzing."""
+        ratios = [self.max_abs / self.allowed_max_abs, self.rel_l2 / self.allowed_rel_l2]
+        if self.lse_max_abs is not None and self.allowed_lse_abs:
+            ratios.append(self.lse_max_abs / self.allowed_lse_abs)
+        return max(ratios)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["worst"] = list(self.worst)
+        d["error_ratio"] = self.error_ratio
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
+    """The same-precision PyTorch computation: what a careful ``dtype`` kernel returns (bf16 output)."""
+    low = reference_decode(problem, precision=torch.float32, p_dtype=P_DTYPE[dtype])
+    return low.out.to(torch.bfloat16)
+
+
+def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, baseline: torch.Tensor,
+            dtype: str, lse_base: float | None) -> tuple[ErrorStats | None, list[str]]:
+    """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference."""
+    failures: list[str] = []
+    if tuple(out.shape) != tuple(ref.out.shape):
+        return None, [f"out has shape {tuple(out.shape)}, expected {tuple(ref.out.shape)}"]
+    o = out.detach().to(torch.float64)
+    r = ref.out.to(torch.float64).to(o.device)
+    finite = torch.isfinite(o)
+    if not bool(finite.all()):  # the reference is always finite: any inf/NaN is a failure
+        failures.append(_nonfinite_message(o, finite))
+    err = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
+    base_err = (baseline.to(o.device, torch.float64) - r).abs()
+    ref_norm = float(r.norm()) or 1.0
+    factor = FACTOR[dtype]
+    # Floor: rounding the reference's largest element to bf16 costs up to half an ulp; allow one ulp.
+    floor = _bf16_ulp(float(r.abs().max()))
+    allowed_max = factor * float(base_err.max()) + floor
+    base_rel = float(base_err.norm()) / ref_norm
+    allowed_rel = factor * base_rel + 1e-6  # 1e-6: fp32 accumulation in the baseline itself
+    max_abs = float(err.max())
+    rel = float(err.norm()) / ref_norm
+    flat = int(err.argmax())
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+    x, y = o[finite], r[finite]
+    cos_diff = float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum()).clamp_min(1e-300))
+    stats = ErrorStats(max_abs, allowed_max, rel, allowed_rel, float(base_err.max()), base_rel, cos_diff, worst)
+    where = "batch {}, token {}, head {}, dim {}".format(*worst)
+    if max_abs > allowed_max:
+        failures.append(f"max |out - ref| = {max_abs:.3g} > allowed {allowed_max:.3g} "
+                        f"({factor:g}x baseline {stats.baseline_max_abs:.3g} + floor {floor:.2g}) at {where}: "
+                        f"kernel {float(o[worst]):.6g}, reference {float(r[worst]):.6g}")
+    if rel > allowed_rel:
+        failures.append(f"relative L2 error {rel:.3g} > allowed {allowed_rel:.3g} ({factor:g}x baseline {base_rel:.3g})")
+    if cos_diff > COS_DIFF_MAX[dtype]:
+        failures.append(f"cosine difference {cos_diff:.3g} > {COS_DIFF_MAX[dtype]:g}")
+    if lse_base is not None:
+        if lse is None:
+            failures.append("LSE was requested but not returned")
+        else:
+            _compare_lse(lse, ref, lse_base, stats, failures)
+    return stats, failures
+
+
+def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
+                 failures: list[str]) -> None:
+    if tuple(lse.shape) != tuple(ref.lse.shape):
+        failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} (after [B*q_len, H] -> [B, q_len, H])")
+        return
+    got = lse.detach().to(torch.float64) * math.log(base)  # to natural log
+    want = ref.lse.to(torch.float64).to(got.device)
+    allowed = LSE_ABS_TOL + LSE_REL_TOL * want.abs()
+    err = (got - want).abs()
+    bad = ~(err <= allowed)  # NaN counts as bad
+    stats.lse_max_abs = float(torch.nan_to_num(err, nan=float("inf")).max())
+    stats.allowed_lse_abs = float(allowed.max())
+    if bool(bad.any()):
+        b, t, h = (int(i) for i in bad.nonzero()[0])
+        failures.append(f"LSE (base {_base_name(base)}) off at batch {b}, token {t}, head {h}: kernel "
+                        f"{float(lse[b, t, h]):.6g}, reference {float(want[b, t, h] / math.log(base)):.6g} "
+                        f"({int(bad.sum())} of {bad.numel()} values outside {LSE_ABS_TOL:g} + {LSE_REL_TOL:g}|lse|)")
+
+
+def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:
+    bad = (~finite).nonzero()
+    b, t, h, d = (int(i) for i in bad[0])
+    inf_count = int(torch.isinf(o).sum())
+    nan_count = int(torch.isnan(o).sum())
+    cause = []
+    if inf_count:
+        cause.append(f"{inf_count} +-inf (out was poisoned with +inf: unwritten elements)")
+    if nan_count:
+        cause.append(f"{nan_count} NaN (unused cache slots hold NaN: a read outside the sequence)")
+    return (f"{bad.shape[0]} non-finite values in out where the reference is finite, first at batch {b}, "
+            f"token {t}, head {h}, dim {d}: " + "; ".join(cause))
+
+
+def _bf16_ulp(x: float) -> float:
+    if x == 0 or not math.isfinite(x):
+        return 2.0 ** -133
+    return 2.0 ** (math.floor(math.log2(x)) - 7)
+
+
+def _base_name(base: float) -> str:
+    return "2" if base == 2.0 else ("e" if abs(base - math.e) < 1e-12 else f"{base:g}")
