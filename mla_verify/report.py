@@ -1,0 +1,321 @@
+"""Run reports: JSON (the record), JUnit XML (for CI systems), Markdown and HTML with plots (for people).
+
+``--report out.json`` writes ``out.json`` and, beside it, ``out.xml``, ``out.md``, ``out.html`` and two SVG
+plots (``out.err-vs-seq.svg``, ``out.err-vs-heads.svg``) that the Markdown links and the HTML inlines.
+Everything but the JSON is rendered from the JSON alone, so ``mla-verify report out.json`` re-renders them.
+Plots are plain SVG drawn here: no plotting dependency, and every runner can write them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import xml.etree.ElementTree as ET
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .engine import EngineResult
+
+FORMAT = "mla-verify-report"
+FORMAT_VERSION = 1
+RENDERED = {"xml": ".xml", "md": ".md", "html": ".html"}
+PLOTS = {"seq": ("err-vs-seq", "longest sequence in the case, tokens", "max_seq"),
+         "heads": ("err-vs-heads", "heads", "heads")}
+WORST_SHOWN = 20  # the Markdown/HTML list the worst cases; the JSON has all of them
+
+
+def output_paths(json_path: Path) -> dict[str, Path]:
+    """Every file a report at ``json_path`` consists of."""
+    stem = json_path.with_suffix("") if json_path.suffix == ".json" else json_path
+    paths = {"json": json_path}
+    paths.update({k: stem.with_name(stem.name + ext) for k, ext in RENDERED.items()})
+    paths.update({k: stem.with_name(f"{stem.name}.{name}.svg") for k, (name, _, _) in PLOTS.items()})
+    return paths
+
+
+def check_report_path(value: str) -> Path:
+    """Validate ``--report`` before anything runs: the JSON path, in a directory we can write to."""
+    path = Path(value)
+    if path.suffix in (".xml", ".md", ".html", ".svg"):
+        raise UsageError(f"--report takes the JSON path (e.g. {path.with_suffix('.json')}); "
+                         "the .xml/.md/.html/.svg files are written beside it")
+    for p in output_paths(path).values():
+        if p.is_dir():
+            raise UsageError(f"--report: {p} is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"--report: directory {parent} does not exist")
+    probe = parent / f".mla-verify-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--report: cannot write in {parent}: {e.strerror}") from None
+    return path
+
+
+def write_report(path: Path, report: dict[str, Any]) -> list[Path]:
+    """Write the JSON record and render the rest beside it; returns every path written."""
+    path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    return [path] + render(report, path)
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON report for re-rendering; one-line UsageError when it is missing or not ours."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such report") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a readable JSON report ({type(e).__name__})") from None
+    if not isinstance(report, dict) or report.get("format") != FORMAT or not isinstance(report.get("cases"), list):
+        raise UsageError(f"{path}: not an mla-verify report (no \"format\": \"{FORMAT}\" with a cases list)")
+    return report
+
+
+def render(report: dict[str, Any], json_path: Path) -> list[Path]:
+    """JUnit XML, SVG plots, Markdown and HTML beside ``json_path``, all from the JSON record."""
+    paths = output_paths(json_path)
+    try:
+        paths["xml"].write_text(junit_xml(report))
+        svgs = {k: scatter_svg(report["cases"], k) for k in PLOTS}
+        for k, svg in svgs.items():
+            paths[k].write_text(svg)
+        blocks = _document(report, {k: paths[k].name for k in PLOTS}, svgs)
+        paths["md"].write_text(to_markdown(blocks))
+        paths["html"].write_text(to_html(blocks))
+    except OSError as e:
+        raise UsageError(f"cannot write the report beside {json_path}: {e.strerror}") from None
+    return [paths[k] for k in ("xml", *PLOTS, "md", "html")]
+
+
+# ---------------------------------------------------------------- JUnit
+def junit_xml(report: dict[str, Any]) -> str:
+    """One <testsuite> per backend, one <testcase> per case; an unavailable backend is one skipped case."""
+    root = ET.Element("testsuites", name="mla-verify")
+    totals = {"tests": 0, "failures": 0, "skipped": 0}
+    for backend in report.get("backends", []):
+        suite = ET.SubElement(root, "testsuite", name=f"mla-verify.{backend['name']}")
+        counts = {"tests": 0, "failures": 0, "skipped": 0}
+        cases = [c for c in report["cases"] if c["backend"] == backend["name"]]
+        if backend.get("unavailable"):
+            tc = ET.SubElement(suite, "testcase", classname=f"mla-verify.{backend['name']}", name="available")
+            ET.SubElement(tc, "skipped", message=backend["unavailable"])
+            counts["tests"], counts["skipped"] = 1, 1
+        for c in cases:
+            tc = ET.SubElement(suite, "testcase", classname=f"mla-verify.{c['backend']}",
+                               name=f"{c['id']} {_short(c)}", time=f"{c.get('seconds', 0):.3f}")
+            counts["tests"] += 1
+            if c["verdict"] == "fail":
+                counts["failures"] += 1
+                fail = ET.SubElement(tc, "failure", message=c.get("reason") or "failed")
+                fail.text = "\n".join(c.get("failures", []) + [f"diagnosis: {d}" for d in c.get("diagnosis", [])]
+                                      + [f"case: {json.dumps(c['spec'])}", f"layout: {json.dumps(c['layout'])}"])
+            elif c["verdict"] == "skip":
+                counts["skipped"] += 1
+                ET.SubElement(tc, "skipped", message=c.get("reason") or "skipped")
+        suite.set("time", f"{backend.get('seconds', 0):.3f}")
+        for k, v in counts.items():
+            suite.set(k, str(v))
+            totals[k] += v
+    for k, v in totals.items():
+        root.set(k, str(v))
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _short(c: dict[str, Any]) -> str:
+    s = c["spec"]
+    lens = s["seq_lens"]
+    return (f"B={len(lens)} H={s['num_heads']} q={s['q_len']} page={s['page_size']} "
+            f"({s['kv_lora_rank']},{s['qk_rope_head_dim']}) {s['dtype']} max_seq={max(lens)}")
+
+
+# ---------------------------------------------------------------- SVG plots
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+FAIL_COLOR = "#d62728"
+W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 150, 30, 46
+RATIO_FLOOR = 1e-4  # error ratios below this (near-exact kernels) sit on the bottom edge
+RATIO_CEIL = 1e3  # above it (and non-finite output, recorded as null) on the top edge
+
+
+def _x_value(case: dict[str, Any], key: str) -> float:
+    spec = case["spec"]
+    return float(max(spec["seq_lens"]) if key == "max_seq" else spec["num_heads"])
+
+
+def _ratio(case: dict[str, Any]) -> float:
+    r = (case.get("stats") or {}).get("error_ratio")
+    return RATIO_CEIL if r is None else min(max(float(r), RATIO_FLOOR), RATIO_CEIL)
+
+
+def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
+    """Error ratio (error / allowed; < 1 passes) against sequence length or heads, one colour per backend."""
+    _, x_label, key = PLOTS[which]
+    points = [c for c in cases if c.get("stats") is not None or c["verdict"] == "fail"]
+    backends = list(dict.fromkeys(c["backend"] for c in cases))
+    xs = [_x_value(c, key) for c in points] or [1.0]
+    x_lo, x_hi = math.log10(min(xs)), math.log10(max(xs))
+    pad = max(0.05 * (x_hi - x_lo), 0.2)  # keep edge points off the frame
+    x_lo, x_hi = x_lo - pad, x_hi + pad
+    y_lo, y_hi = math.log10(RATIO_FLOOR), math.log10(RATIO_CEIL)
+    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+
+    def px(v: float) -> float:
+        return LEFT + pw * (math.log10(v) - x_lo) / (x_hi - x_lo)
+
+    def py(v: float) -> float:
+        return TOP + ph * (1 - (math.log10(v) - y_lo) / (y_hi - y_lo))
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+           'font-family="sans-serif" font-size="11">',
+           f'<text x="{LEFT}" y="18" font-size="13">Error / allowed vs {escape(x_label)}</text>',
+           f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
+    for e in range(math.ceil(x_lo), math.floor(x_hi) + 1):
+        x = px(10.0 ** e)
+        out.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{TOP + ph}" stroke="#e5e5e5"/>'
+                   f'<text x="{x:.1f}" y="{TOP + ph + 14}" text-anchor="middle">{10 ** e:g}</text>')
+    for e in range(int(y_lo), int(y_hi) + 1):
+        y = py(10.0 ** e)
+        out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + pw}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+    y1 = py(1.0)
+    out.append(f'<line x1="{LEFT}" y1="{y1:.1f}" x2="{LEFT + pw}" y2="{y1:.1f}" stroke="{FAIL_COLOR}" '
+               f'stroke-dasharray="5,3"/><text x="{LEFT + pw - 4}" y="{y1 - 4:.1f}" text-anchor="end" '
+               f'fill="{FAIL_COLOR}">allowed (fails above)</text>')
+    out.append(f'<text x="{LEFT + pw / 2}" y="{H - 8}" text-anchor="middle">{escape(x_label)} (log scale)</text>'
+               f'<text x="14" y="{TOP + ph / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {TOP + ph / 2})">error / allowed (log scale)</text>')
+    for c in points:
+        color = COLORS[backends.index(c["backend"]) % len(COLORS)]
+        stroke = f' stroke="{FAIL_COLOR}" stroke-width="2"' if c["verdict"] == "fail" else ""
+        out.append(f'<circle cx="{px(_x_value(c, key)):.1f}" cy="{py(_ratio(c)):.1f}" r="3" fill="{color}" '
+                   f'fill-opacity="0.7"{stroke}><title>{escape(c["backend"])} {c["id"]} {c["verdict"]}: '
+                   f'{escape(_short(c))}</title></circle>')
+    for i, b in enumerate(backends):
+        y = TOP + 8 + 16 * i
+        out.append(f'<circle cx="{W - RIGHT + 14}" cy="{y}" r="4" fill="{COLORS[i % len(COLORS)]}"/>'
+                   f'<text x="{W - RIGHT + 22}" y="{y + 4}">{escape(b)}</text>')
+    if not points:
+        out.append(f'<text x="{LEFT + pw / 2}" y="{TOP + ph / 2}" text-anchor="middle">no judged cases</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- Markdown / HTML
+Block = tuple  # ("h", level, text) | ("p", text) | ("pre", text) | ("table", headers, rows) | ("img", key, alt)
+
+
+def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str, str]) -> list[Block]:
+    cases = report["cases"]
+    blocks: list[Block] = [("h", 1, "mla-verify report")]
+    run = report.get("run", {})
+    blocks.append(("p", " · ".join(f"{k}: {v}" for k, v in run.items() if v is not None)))
+    if report.get("platform"):
+        blocks.append(("p", f"platform: {report['platform']}"))
+    if report.get("selfcheck"):
+        blocks.append(("p", f"reference self-check: {report['selfcheck']}"))
+    blocks.append(("h", 2, "Backends"))
+    rows = []
+    for b in report.get("backends", []):
+        mine = [c for c in cases if c["backend"] == b["name"]]
+        count = {v: sum(c["verdict"] == v for c in mine) for v in ("pass", "fail", "skip")}
+        worst = max((_ratio(c) for c in mine if c.get("stats")), default=None)
+        rows.append([b["name"], b["verdict"] + (" (time limit reached)" if b.get("timed_out") else ""),
+                     str(len(mine)), str(count["pass"]), str(count["fail"]), str(count["skip"]),
+                     "" if worst is None else f"{worst:.3g}", f"{b.get('seconds', 0):.1f}",
+                     b.get("unavailable") or ""])
+    blocks.append(("table", ["backend", "verdict", "cases", "pass", "fail", "skip", "worst error/allowed",
+                             "seconds", "not run because"], rows))
+    for b in report.get("backends", []):
+        failure = b.get("failure")
+        if not failure:
+            continue
+        blocks.append(("h", 2, f"Failure: {b['name']}"))
+        lines = [f"minimal case: {failure['case']}"] + [f"  - {f}" for f in failure.get("failures", [])]
+        lines += [f"diagnosis: {d}" for d in failure.get("diagnosis", [])] or ["diagnosis: none of the known "
+                                                                              "misreadings explains it"]
+        if failure.get("fixture"):
+            lines += [f"reproducer: {failure['fixture']}", f"re-run: mla-verify replay {failure['fixture']}"]
+        blocks.append(("pre", "\n".join(lines)))
+    blocks.append(("h", 2, "Error against sequence length and head count"))
+    blocks.append(("p", "Each point is one judged case: its error divided by what the tolerance model allows "
+                        "(below 1 passes). Failing cases have a red ring."))
+    for k in PLOTS:
+        blocks.append(("img", plot_names[k], svgs[k]))
+    judged = sorted((c for c in cases if c.get("stats") or c["verdict"] == "fail"), key=_ratio, reverse=True)
+    blocks.append(("h", 2, f"Worst {min(WORST_SHOWN, len(judged))} of {len(cases)} cases"))
+    blocks.append(("table", ["id", "backend", "verdict", "error/allowed", "case", "reason"],
+                   [[c["id"], c["backend"], c["verdict"], f"{_ratio(c):.3g}", _short(c), c.get("reason", "")]
+                    for c in judged[:WORST_SHOWN]]))
+    return blocks
+
+
+def to_markdown(blocks: Iterable[Block]) -> str:
+    out = []
+    for b in blocks:
+        if b[0] == "h":
+            out.append("#" * b[1] + " " + b[2])
+        elif b[0] == "p":
+            out.append(b[1])
+        elif b[0] == "pre":
+            out.append("```\n" + b[1] + "\n```")
+        elif b[0] == "img":
+            out.append(f"![{b[1]}]({b[1]})")
+        else:
+            cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+            out.append("\n".join(["| " + " | ".join(map(cell, b[1])) + " |", "|" + "---|" * len(b[1])]
+                                 + ["| " + " | ".join(map(cell, r)) + " |" for r in b[2]]))
+    return "\n\n".join(out) + "\n"
+
+
+def to_html(blocks: Iterable[Block]) -> str:
+    out = ['<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>mla-verify report</title><style>'
+           "body{font-family:sans-serif;max-width:1100px;margin:1em auto}table{border-collapse:collapse}"
+           "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}pre{background:#f5f5f5;padding:8px;"
+           "white-space:pre-wrap}</style></head><body>"]
+    for b in blocks:
+        if b[0] == "h":
+            out.append(f"<h{b[1]}>{escape(b[2])}</h{b[1]}>")
+        elif b[0] == "p":
+            out.append(f"<p>{escape(b[1])}</p>")
+        elif b[0] == "pre":
+            out.append(f"<pre>{escape(b[1])}</pre>")
+        elif b[0] == "img":
+            out.append(f"<figure>{b[2]}</figure>")
+        else:
+            head = "".join(f"<th>{escape(h)}</th>" for h in b[1])
+            body = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in r) + "</tr>" for r in b[2])
+            out.append(f"<table><tr>{head}</tr>{body}</table>")
+    return "\n".join(out) + "\n</body></html>\n"
+
+
+# ---------------------------------------------------------------- the record
+def build_report(run: dict[str, Any], results: list["EngineResult"], fixtures: dict[str, str],
+                 platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
+    """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
+
+    ``fixtures`` maps a backend name to the reproducer written for its failure.
+    """
+    cases: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    backends = []
+    for r in results:
+        judged = list(r.cases) + ([r.failure] if r.failure is not None else [])
+        for c in judged:  # a shrinking search revisits cases: keep each id once, as first judged
+            if c.id not in seen:
+                seen.add(c.id)
+                cases.append(c.to_json())
+        failure = None
+        if r.failure is not None:
+            failure = {"id": r.failure.id, "case": r.failure.describe(), "failures": r.failure.failures,
+                       "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend)}
+        backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
+                         "cases": len({c.id for c in judged}), "seconds": round(r.seconds, 3),
+                         "timed_out": r.timed_out, "failure": failure})
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
+            "selfcheck": selfcheck, "backends": backends, "cases": cases}

@@ -1,0 +1,133 @@
+"""Reports: path validation, the JSON record, JUnit XML, SVG plots, Markdown/HTML and re-rendering."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from mla_verify.compare import ErrorStats
+from mla_verify.engine import EngineResult
+from mla_verify.errors import UsageError
+from mla_verify.generate import ProblemSpec
+from mla_verify.harness import CaseResult
+from mla_verify.layouts import LayoutSpec
+from mla_verify.report import (build_report, check_report_path, load_report, output_paths, render,
+                               scatter_svg, write_report)
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _case(backend: str, seq: int, heads: int, ratio: float | None, verdict: str = "pass") -> CaseResult:
+    stats = None
+    if ratio is not None:  # max_abs / allowed_max_abs carries the ratio; rel_l2 stays below it
+        stats = ErrorStats(ratio * 1e-2, 1e-2, ratio * 1e-4, 1e-3, 5e-3, 1e-3, 1e-7, (0, 0, 0, 0))
+    r = CaseResult(backend, ProblemSpec(seq_lens=(seq, 1), num_heads=heads, seed=seq), LayoutSpec(), "none",
+                   verdict, seconds=0.01, stats=stats)
+    if verdict == "fail":
+        r.failures = ["max |out - ref| too large"]
+        r.reason = r.failures[0]
+        r.diagnosis = ["softmax scale 1/sqrt(576)"]
+    if verdict == "skip":
+        r.reason = "outside its envelope: page size"
+    return r
+
+
+def _results() -> list[EngineResult]:
+    good = EngineResult("peer", "dev", 1, cases=[_case("peer", 10, 2, 0.1), _case("peer", 1000, 64, 0.4),
+                                                 _case("peer", 50, 8, None, "skip")], seconds=1.5)
+    bad_case = _case("mutant", 300, 16, 30.0, "fail")
+    bad = EngineResult("mutant", "dev", 1, cases=[_case("mutant", 20, 4, 0.2), bad_case, bad_case], seconds=2.0,
+                       failure=bad_case)
+    gone = EngineResult("trtllm-gen", "dev", 1, unavailable="trtllm-gen: needs SM100/SM103; this GPU is SM90")
+    return [good, bad, gone]
+
+
+def _report():
+    return build_report({"command": "mla-verify check", "device": "cpu"}, _results(),
+                        {"mutant": "fixtures/regressions/x.json"}, platform="test", selfcheck="ok")
+
+
+def test_record(tmp_path):
+    rep = _report()
+    ids = [c["id"] for c in rep["cases"]]
+    assert len(ids) == len(set(ids)) == 5  # the failing case was judged twice and appears once
+    by_name = {b["name"]: b for b in rep["backends"]}
+    assert by_name["mutant"]["verdict"] == "fail" and by_name["mutant"]["cases"] == 2
+    assert by_name["mutant"]["failure"]["fixture"] == "fixtures/regressions/x.json"
+    assert by_name["trtllm-gen"]["verdict"] == "skip" and "SM90" in by_name["trtllm-gen"]["unavailable"]
+    assert json.loads(json.dumps(rep)) == rep
+
+
+def test_write_and_rerender(tmp_path):
+    path = tmp_path / "out.json"
+    written = write_report(path, _report())
+    assert sorted(p.name for p in written) == sorted(
+        ["out.json", "out.xml", "out.md", "out.html", "out.err-vs-seq.svg", "out.err-vs-heads.svg"])
+    first = {p.name: p.read_text() for p in written}
+    for p in written[1:]:
+        p.unlink()
+    render(load_report(path), path)
+    assert {p.name: p.read_text() for p in written} == first
+
+
+def test_junit(tmp_path):
+    root = ET.fromstring(_junit(tmp_path))
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("6", "1", "2")
+    suites = {s.get("name"): s for s in root}
+    fail = suites["mla-verify.mutant"].find("testcase/failure")
+    assert fail.get("message") == "max |out - ref| too large" and "softmax scale 1/sqrt(576)" in fail.text
+    assert "SM90" in suites["mla-verify.trtllm-gen"].find("testcase/skipped").get("message")
+
+
+def _junit(tmp_path) -> str:
+    path = tmp_path / "r.json"
+    write_report(path, _report())
+    return output_paths(path)["xml"].read_text()
+
+
+def test_markdown_and_html(tmp_path):
+    path = tmp_path / "r.json"
+    write_report(path, _report())
+    md = output_paths(path)["md"].read_text()
+    assert "| mutant | fail | 2 | 1 | 1 | 0 | 30 |" in md
+    assert "mla-verify replay fixtures/regressions/x.json" in md
+    assert "![r.err-vs-seq.svg](r.err-vs-seq.svg)" in md
+    html = output_paths(path)["html"].read_text()
+    assert html.count("<svg") == 2 and "needs SM100/SM103" in html
+
+
+def test_svg_places_points_by_value():
+    cases = _report()["cases"]
+    svg = ET.fromstring(scatter_svg(cases, "seq"))
+    points = [c for c in svg.iter(SVG + "circle") if c.find(SVG + "title") is not None]
+    assert len(points) == 4  # judged cases only: the skipped one has no error to plot
+    by_title = {c.find(SVG + "title").text.split(":")[0]: c for c in points}
+    fail = next(c for t, c in by_title.items() if t.endswith("fail"))
+    assert fail.get("stroke") == "#d62728"
+    ys = {float(c.get("cy")): t for t, c in by_title.items()}
+    assert ys[min(ys)].endswith("fail")  # the largest error sits highest
+    xs = sorted((float(c.get("cx")), t) for t, c in by_title.items())
+    assert xs[-1][1].endswith("pass") and xs[-1][1].startswith("peer")  # seq 1000 sits rightmost
+
+
+def test_check_report_path(tmp_path):
+    assert check_report_path(str(tmp_path / "ok.json")) == tmp_path / "ok.json"
+    assert list(tmp_path.iterdir()) == []  # the write probe is gone
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir.json").mkdir()
+    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"), (tmp_path / "file" / "r.json", "does not exist"),
+                       (tmp_path / "r.xml", "takes the JSON path"), (tmp_path / "dir.json", "is a directory")]:
+        with pytest.raises(UsageError, match=match):
+            check_report_path(str(bad))
+
+
+def test_load_report_errors(tmp_path):
+    with pytest.raises(UsageError, match="no such report"):
+        load_report(tmp_path / "missing.json")
+    (tmp_path / "g.json").write_text("{garbage")
+    with pytest.raises(UsageError, match="not a readable JSON report"):
+        load_report(tmp_path / "g.json")
+    (tmp_path / "o.json").write_text('{"cases": []}')
+    with pytest.raises(UsageError, match="not an mla-verify report"):
+        load_report(tmp_path / "o.json")
