@@ -87,8 +87,7 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     allowed_rel = factor * base_rel + 1e-6  # 1e-6: fp32 accumulation in the baseline itself
     max_abs = float(err.max())
     rel = float(err.norm()) / ref_norm
-    flat = int(err.argmax())
-    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+    worst = _unravel(int(err.argmax()), tuple(err.shape))
     x, y = o[finite], r[finite]
     cos_diff = float(1 - 2 * (x * y).sum() / ((x * x).sum() + (y * y).sum()).clamp_min(1e-300))
     stats = ErrorStats(max_abs, allowed_max, rel, allowed_rel, float(base_err.max()), base_rel, cos_diff, worst)
@@ -140,6 +139,14 @@ def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:
         cause.append(f"{nan_count} NaN (unused cache slots hold NaN: a read outside the sequence)")
     return (f"{bad.shape[0]} non-finite values in out where the reference is finite, first at batch {b}, "
             f"token {t}, head {h}, dim {d}: " + "; ".join(cause))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def _bf16_ulp(x: float) -> float:

@@ -76,9 +76,9 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
     cols = torch.arange(npages, device=p.device)
     table = p.block_table[idx, :npages].long()
     table = torch.where(cols[None, :] < ((lens + page - 1) // page)[:, None], table, 0)  # never follow padding
-    kv = p.kv_cache[table].reshape(b, T, -1).to(precision)
     pos = torch.arange(T, device=p.device)
-    kv = kv.masked_fill((pos[None, :] >= lens[:, None])[..., None], 0.0)  # NaN-poisoned tail must not leak
+    kv = p.kv_cache[table].reshape(b, T, -1)
+    kv = _zero_rows(kv, pos[None, :] >= lens[:, None]).to(precision)  # NaN-poisoned tails must not leak
     q = p.query[idx].to(precision).reshape(b, Q * H, -1)
     scores = torch.bmm(q, kv.transpose(1, 2)).mul_(p.bmm1_scale).view(b, Q, H, T)
     last_visible = lens[:, None] - Q + torch.arange(Q, device=p.device)[None, :]  # [b, Q]: causal limit
@@ -94,6 +94,13 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
         rounded = unnormalized.to(p_dtype).to(precision).view(b, Q * H, T)
         out = torch.bmm(rounded, kv[..., :L]) / denominator
     return out.mul_(p.bmm2_scale).view(b, Q, H, L), lse
+
+
+def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x with rows[...] set to +0.0, done on the raw bits (all-zero bits are +0.0 in every float format;
+    fp8 has no masked_fill)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.view(ints).masked_fill(rows[..., None], 0).view(x.dtype)
 
 
 @contextlib.contextmanager

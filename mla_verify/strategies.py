@@ -1,0 +1,141 @@
+"""Hypothesis strategies over a backend's envelope: one drawn ``Case`` = problem spec + layout + metamorphic check.
+
+Strategies know nothing about FlashInfer: they read an ``Envelope`` and a per-device ``Budget``. Every choice
+shrinks toward the plainest case (one short sequence, few heads, bf16, contiguous 3-D cache), so a failure is
+reported as the smallest problem that still fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from .backends.base import Envelope
+from .dims import R1_SOFTMAX_SCALE
+from .generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
+from .layouts import LayoutSpec
+from .metamorphic import TRANSFORMS
+
+TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
+TILE_EDGE_HEADS = (63, 65, 96, 127, 3, 5, 7, 9, 15, 17, 33)
+DEFAULT_PAGE_SIZES = (1, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How big one case may be on a device, so that runs fit their time."""
+
+    units: int  # sum(seq_lens) * heads * q_len: the (query token, head, KV token) triples to compute
+    max_batch: int
+    max_seq_len: int
+
+
+BUDGETS = {
+    # 2e5 triples ~ 0.4 GFLOP a pass; a case makes ~5 passes (kernel, fp64 reference, baseline, repeat,
+    # metamorphic), ~0.1-0.3 s on one 2-core CI machine.
+    "cpu": Budget(units=200_000, max_batch=1024, max_seq_len=1 << 17),
+    # ~6e7 triples: B=128, H=128, ~3.6k tokens; a few ms of kernel and fp32 reference on an H200.
+    "cuda": Budget(units=64_000_000, max_batch=1024, max_seq_len=1 << 17),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: ProblemSpec
+    layout: LayoutSpec
+    transform: str = "none"
+
+
+def budget_for(device_type: str, max_seq_len: int | None = None) -> Budget:
+    b = BUDGETS["cuda" if device_type == "cuda" else "cpu"]
+    return b if max_seq_len is None else Budget(b.units, b.max_batch, min(b.max_seq_len, max_seq_len))
+
+
+def head_counts(env: Envelope) -> st.SearchStrategy[int]:
+    named = [h for h in TP_HEADS[::-1] + TILE_EDGE_HEADS if env.allows_heads(h)]
+    anything = st.integers(1, env.max_heads).filter(env.allows_heads)
+    return st.one_of(st.sampled_from(named), anything) if named else anything
+
+
+def seq_len(page: int, lo: int, hi: int) -> st.SearchStrategy[int]:
+    """Lengths biased to the edges: 1, page-1, page, page+1, multiples of the page, the maximum."""
+    edges = [1, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi]
+    edges = sorted({e for e in edges if lo <= e <= hi})
+    return st.one_of(st.sampled_from(edges), st.integers(lo, hi)) if edges else st.integers(lo, hi)
+
+
+@st.composite
+def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
+    page = draw(st.sampled_from(env.page_sizes or DEFAULT_PAGE_SIZES))
+    rank, rope = draw(st.sampled_from(env.dims))
+    heads = draw(head_counts(env))
+    q_len = draw(st.one_of(st.just(env.q_len[0]), st.integers(*env.q_len)))
+    dtype = draw(st.sampled_from(env.dtypes))
+    # the longest sequence of this case, then a batch that fits the budget with it
+    top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len)))
+    cap = draw(seq_len(page, q_len, top))
+    max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len)))
+    batch = draw(st.one_of(st.integers(1, min(4, max_b)), st.integers(1, max_b)))
+    lens = draw(st.lists(seq_len(page, q_len, cap), min_size=batch, max_size=batch))
+    if draw(st.booleans()):  # one request at the case's maximum
+        lens[draw(st.integers(0, batch - 1))] = cap
+    softmax = draw(st.sampled_from([None, R1_SOFTMAX_SCALE]) | st.floats(0.02, 0.3))
+    q_scale = k_scale = 1.0
+    if dtype == "fp8":  # realistic per-tensor scales, k_scale != 1 included
+        q_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
+        k_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
+    return ProblemSpec(
+        seq_lens=tuple(lens), q_len=q_len, num_heads=heads, page_size=page, kv_lora_rank=rank,
+        qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
+        bmm2_extra=draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.1, 4.0)),
+        extra_pages=draw(st.integers(0, 8)), shuffle_pages=draw(st.sampled_from([True, False])),
+        table_pad=draw(st.integers(0, 4)), pad_fill=draw(st.sampled_from(PAD_FILLS)),
+        values=draw(st.sampled_from(VALUE_KINDS)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@st.composite
+def layouts(draw: st.DrawFn, env: Envelope) -> LayoutSpec:
+    pad = draw(st.sampled_from([0]) | st.integers(1, 8)) if env.page_strided else 0
+    return LayoutSpec(cache_dims=draw(st.sampled_from(env.cache_dims)), page_stride_pad=pad,
+                      table_width=draw(st.sampled_from(env.table_widths)),
+                      pass_out=draw(st.sampled_from(env.pass_out)),
+                      return_lse=draw(st.booleans()) if env.lse else False)
+
+
+def cases(env: Envelope, budget: Budget) -> st.SearchStrategy[Case]:
+    return st.builds(Case, specs(env, budget), layouts(env), st.sampled_from(TRANSFORMS))
+
+
+def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
+    """The premerge profile's explicit cases: the envelope's extremes, each with out passed and LSE asked."""
+    page = max(env.page_sizes or DEFAULT_PAGE_SIZES)
+    rank, rope = env.dims[0]
+    dtype = env.dtypes[0]
+    heads_max = max(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
+    heads_min = min(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
+    q_lo, q_hi = env.q_len
+    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // heads_min)
+    widest = min(env.max_batch, budget.max_batch, budget.units // (heads_min * (page + 1)))
+    full = LayoutSpec(cache_dims=max(env.cache_dims), page_stride_pad=5 if env.page_strided else 0,
+                      table_width=env.table_widths[-1], pass_out=env.pass_out[0], return_lse=env.lse)
+    base = dict(page_size=page, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype, extra_pages=3,
+                table_pad=2, pad_fill="oob")
+    per_heads = max(q_lo, min(3 * page + 1, budget.units // (heads_max * 2 * q_lo)))
+    out = [
+        Case(ProblemSpec(seq_lens=(per_heads, 1 + q_lo), num_heads=heads_max, q_len=q_lo, seed=1, **base), full),
+        Case(ProblemSpec(seq_lens=tuple(max(q_lo, (i % (page + 1)) + 1) for i in range(widest)),
+                         num_heads=heads_min, q_len=q_lo, seed=2, **base), full, "batch"),
+        Case(ProblemSpec(seq_lens=(longest,), num_heads=heads_min, q_len=q_lo, seed=3, **base), full),
+        Case(ProblemSpec(seq_lens=(q_hi, page - 1 if page > q_hi else q_hi, page + 1, 2 * page), q_len=q_hi,
+                         num_heads=heads_min, softmax_scale=R1_SOFTMAX_SCALE, seed=4, **base), full, "pages"),
+    ]
+    if "fp8" in env.dtypes:
+        fp8 = {**base, "dtype": "fp8"}
+        out.append(Case(ProblemSpec(seq_lens=(page + 1, 2 * page + 3, q_hi), q_len=q_lo, num_heads=heads_min,
+                                    softmax_scale=R1_SOFTMAX_SCALE, q_scale=2.0, k_scale=0.5, bmm2_extra=1.5,
+                                    seed=5, **fp8), full, "pool"))
+    for dims in env.dims[1:]:
+        other = {**base, "kv_lora_rank": dims[0], "qk_rope_head_dim": dims[1]}
+        out.append(Case(ProblemSpec(seq_lens=(page + 1, max(q_lo, 5)), num_heads=heads_min, q_len=q_lo, seed=6,
+                                    **other), full))
+    return out
