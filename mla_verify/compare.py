@@ -134,7 +134,7 @@ def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:
     nan_count = int(torch.isnan(o).sum())
     cause = []
     if inf_count:
-        cause.append(f"{inf_count} +-inf (out was poisoned with +inf: unwritten elements)")
+        cause.append(f"{inf_count} inf (out was poisoned with +inf: unwritten elements)")
     if nan_count:
         cause.append(f"{nan_count} NaN (unused cache slots hold NaN: a read outside the sequence)")
     return (f"{bad.shape[0]} non-finite values in out where the reference is finite, first at batch {b}, "
