@@ -1,4 +1,62 @@
-"""Backend registry: built-in backends, third-party ones from the ``mla_verify.backends`` entry-point group."""
+"""Backend registry: built-in backends, third-party ones from the ``mla_verify.backends`` entry-point group.
+
+An entry point names a ``Backend`` instance or a zero-argument factory returning one, e.g. in a plugin's
+pyproject.toml::
+
+    [project.entry-points."mla_verify.backends"]
+    my-kernel = "my_pkg.mla:make_backend"
+
+Listing backends never imports FlashInfer (that happens when a FlashInfer backend is asked about a CUDA device
+or prepared), so the registry works on a CPU-only machine.
+"""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from ..errors import UsageError
 from .base import Backend, Envelope, PreparedCall
 
-__all__ = ["Backend", "Envelope", "PreparedCall"]
+ENTRY_POINT_GROUP = "mla_verify.backends"
+
+__all__ = ["Backend", "Envelope", "PreparedCall", "ENTRY_POINT_GROUP", "builtin_backends", "all_backends",
+           "get_backend"]
+
+
+def builtin_backends() -> list[Backend]:
+    from .cpu_peer import cpu_peer_backend
+    from .flashinfer_trtllm import trtllm_backends
+    from .flashinfer_wrapper import wrapper_backends
+
+    return [*trtllm_backends(), *wrapper_backends(), cpu_peer_backend()]
+
+
+def _plugin_backends() -> list[Backend]:
+    found = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"backend entry point '{ep.name}' ({ep.value})"
+        try:
+            obj = ep.load()
+            backend = obj if isinstance(obj, Backend) else obj() if callable(obj) else obj
+        except Exception as exc:  # a broken plugin is a configuration error, reported in one line
+            raise UsageError(f"{where} failed to load: {type(exc).__name__}: {exc}") from None
+        if not isinstance(backend, Backend):
+            raise UsageError(f"{where} gave a {type(backend).__name__}, not a mla_verify Backend")
+        found.append(backend)
+    return found
+
+
+def all_backends() -> dict[str, Backend]:
+    """Every backend by name: built-ins first, then plugins (a plugin may not reuse a taken name)."""
+    registry: dict[str, Backend] = {}
+    for backend in [*builtin_backends(), *_plugin_backends()]:
+        if backend.name in registry:
+            raise UsageError(f"two backends are named '{backend.name}'; backend names must be unique")
+        registry[backend.name] = backend
+    return registry
+
+
+def get_backend(name: str) -> Backend:
+    registry = all_backends()
+    if name not in registry:
+        raise UsageError(f"unknown backend '{name}'; known: {', '.join(registry)}")
+    return registry[name]

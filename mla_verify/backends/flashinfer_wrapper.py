@@ -1,0 +1,184 @@
+"""FlashInfer's planned MLA paths through ``flashinfer.mla.BatchMLAPagedAttentionWrapper``: fa2, fa3, cutlass, cutile.
+
+Inputs are ``layouts.wrapper_args``: CSR page lists plus q_nope/q_pe and ckv/kpe views of one pool. ``prepare``
+plans once per problem (planning is not part of the timed call). Semantics the wrapper does not share with
+Contract 1, and how they are bridged (docs/backends.md has the source references):
+
+- No bmm2 / output scale on these paths (fa2/fa3 reject ``bmm1_scale``/``bmm2_scale`` at run time):
+  ``bmm1_scale`` becomes the plan's ``sm_scale``, and the call multiplies the bf16 output by ``bmm2_scale`` in
+  place after the kernel (one more bf16 rounding, at most half an ulp; only when bmm2 != 1), as a caller would.
+- fp8: fa2/fa3 read an fp8 *cache* (SM90 only) with a bf16 query and ``ckv_scale = kpe_scale = 1`` (the
+  dequant scales are already folded into bmm1/bmm2). The fp8 query is handed over as its bf16 copy, which is
+  exact: every e4m3 value is a bf16 value.
+- Output is ``[B*q_len, H, L]`` bf16; LSE ``[B*q_len, H]`` in base 2 (``lse_mode="base2"``).
+- Causal masking is bottom-right, as ours: mla.cuh masks ``kv_idx + qo_len > kv_len + q_idx``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..generate import DTYPES, ProblemSpec
+from ..layouts import LayoutSpec, wrapper_args
+from ..platform import flashinfer_import_error
+from ..problem import FP8, DecodeProblem
+from .base import Backend, Envelope, PreparedCall
+from .flashinfer_trtllm import BLACKWELL_DC, SM12X
+
+FA_HOPPER = ((9, 0),)
+WORKSPACE_BYTES = 128 << 20
+
+Preflight = Callable[[str, ProblemSpec, torch.device], None]
+
+
+def operand_dtypes(dtype: str) -> tuple[torch.dtype, torch.dtype]:
+    """(query dtype handed to the wrapper, cache dtype): the query is always bf16 (exact for bf16 and fp8)."""
+    return torch.bfloat16, DTYPES[dtype]
+
+
+def _spec_csr(spec: ProblemSpec) -> dict[str, torch.Tensor]:
+    """Host CSR metadata with the spec's lengths (page ids are irrelevant to the planners' checks)."""
+    kv_len = torch.tensor(spec.seq_lens, dtype=torch.int32)
+    pages = (kv_len + spec.page_size - 1) // spec.page_size
+    kv_indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
+    qo_indptr = torch.arange(0, (spec.batch + 1) * spec.q_len, spec.q_len, dtype=torch.int32)
+    return {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
+            "kv_indices": torch.zeros(int(kv_indptr[-1]), dtype=torch.int32), "kv_len_arr": kv_len}
+
+
+def fa_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
+    """FlashInfer's own host-side FA plan checks: dtypes per architecture, work-item capacity, and the causal
+    tile boundaries where the native kernel would drop a visible key (FlashInfer refuses those)."""
+    from flashinfer.mla._batch_mla._backends._fa_common import _validate_fa_plan_workload, _validate_generated_fa_plan
+
+    q_dtype, kv_dtype = operand_dtypes(spec.dtype)
+    csr = _spec_csr(spec)
+    _validate_generated_fa_plan(backend=name, device=device, **csr, head_dim_ckv=spec.kv_lora_rank,
+                                head_dim_kpe=spec.qk_rope_head_dim, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                                output_dtype=q_dtype, scale_mode=_scale_mode(kv_dtype))
+    _validate_fa_plan_workload(csr["qo_indptr"], csr["kv_len_arr"], spec.num_heads, True, device, name, kv_dtype)
+
+
+def cutlass_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
+    """FlashInfer's CUTLASS plan contract: 128 heads and a fixed softmax scale 1/sqrt(128 + rope), among others."""
+    from flashinfer.mla._batch_mla._backends.cutlass_backend import _validate_cutlass_plan_contract
+
+    q_dtype, kv_dtype = operand_dtypes(spec.dtype)
+    _validate_cutlass_plan_contract(device=device, num_heads=spec.num_heads, head_dim_ckv=spec.kv_lora_rank,
+                                    head_dim_kpe=spec.qk_rope_head_dim, page_size=spec.page_size,
+                                    sm_scale=spec.bmm1_scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
+                                    output_dtype=q_dtype, output_scale="none", use_profiler=False)
+
+
+def _scale_mode(kv_dtype: torch.dtype) -> str:
+    return "kv-per-tensor" if kv_dtype == FP8 else "default"
+
+
+@dataclass(frozen=True)
+class WrapperPath:
+    """One ``backend=`` of the wrapper: how it wants its inputs and what FlashInfer checks before planning."""
+
+    fi_backend: str
+    envelope: Envelope
+    description: str
+    layout: str = "split"  # plan's query_layout / kv_cache_layout; the run gets split views either way
+    preflight: Preflight | None = None
+
+
+class FlashInferWrapperBackend(Backend):
+    def __init__(self, name: str, path: WrapperPath):
+        self.name = name
+        self.path = path
+        self.envelope = path.envelope
+        self.description = path.description
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        reason = super().unavailable_reason(device)
+        if reason is None and (error := flashinfer_import_error()):
+            reason = f"flashinfer cannot be imported ({error})"
+        return reason
+
+    def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
+        reason = super().why_not(spec, layout, device)
+        if reason is None and self.path.preflight is not None:
+            try:
+                self.path.preflight(self.path.fi_backend, spec, device)
+            except ValueError as exc:  # FlashInfer's _BackendPlanUnsupportedError is a ValueError
+                reason = f"FlashInfer's {self.path.fi_backend} planner refuses it: {exc}"
+        return reason
+
+    def workspace(self, device: torch.device) -> torch.Tensor:
+        if device not in self._workspaces:  # FA needs ~17 MiB of split partials on an H200; 128 MiB is usual
+            self._workspaces[device] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspaces[device]
+
+    def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+
+        p = problem
+        a = wrapper_args(p, layout)
+        B, Q, H, L = p.batch, p.q_len, p.num_heads, p.dims.kv_lora_rank
+        q_dtype, kv_dtype = torch.bfloat16, p.kv_cache.dtype
+        q_nope, q_pe = a.q_nope.to(q_dtype), a.q_pe.to(q_dtype)  # no copy unless fp8 (exact upcast)
+        wrapper = BatchMLAPagedAttentionWrapper(self.workspace(p.device), backend=self.path.fi_backend)
+        wrapper.plan(metadata=MLAPlanMetadata.csr(a.qo_indptr, a.kv_indptr, a.kv_indices, a.kv_len_arr),
+                     num_heads=H, head_dim_ckv=L, head_dim_kpe=p.dims.qk_rope_head_dim, page_size=p.page_size,
+                     causal=True, sm_scale=float(p.bmm1_scale), q_data_type=q_dtype, kv_data_type=kv_dtype,
+                     query_layout=self.path.layout, kv_cache_layout=self.path.layout,
+                     lse_mode="base2" if layout.return_lse else "none", output_dtype=q_dtype,
+                     scale_mode=_scale_mode(kv_dtype))
+        out = torch.empty((B * Q, H, L), dtype=q_dtype, device=p.device) if layout.pass_out else None
+        kwargs: dict[str, Any] = dict(query=(q_nope, q_pe), kv_cache=(a.ckv, a.kpe), out=out,
+                                      return_lse=layout.return_lse)
+        if kv_dtype == FP8:
+            kwargs.update(ckv_scale=1.0, kpe_scale=1.0)  # dequant scales are already in bmm1/bmm2
+        bmm2 = float(p.bmm2_scale)
+
+        def invoke() -> Any:
+            result = wrapper.run(**kwargs)
+            if bmm2 != 1.0:  # no output scale on these paths: scale the bf16 output in place, after the kernel
+                (result[0] if layout.return_lse else result).mul_(bmm2)
+            return result
+
+        def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            o, lse = result if layout.return_lse else (result, None)
+            return o.view(B, Q, H, L), None if lse is None else lse.view(B, Q, H)
+
+        inputs = {"q_nope": q_nope, "q_pe": q_pe, "kv_pool": a.pool, "qo_indptr": a.qo_indptr,
+                  "kv_indptr": a.kv_indptr, "kv_indices": a.kv_indices, "kv_len_arr": a.kv_len_arr}
+        return PreparedCall(invoke, inputs, out, to_canonical, extra={"args": a, "wrapper": wrapper})
+
+
+_FA_COMMON = dict(devices=("cuda",), page_sizes=None, dims=((512, 64), (256, 64)), heads=None, max_heads=128,
+                  dtypes=("bf16", "fp8"), q_len=(1, 16), cache_dims=(3,), page_strided=True,
+                  table_widths=("native",), pass_out=(True, False), lse=True)
+_POW2_PAGES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+WRAPPER_PATHS: dict[str, WrapperPath] = {
+    "fa2": WrapperPath("fa2", Envelope(archs=None, **_FA_COMMON,
+                                       notes="SM80+ and fp8 cache on SM90 only: both refused by FlashInfer's "
+                                             "FA planner (reported by why_not); any page size"),
+                       "FlashInfer FA2 MLA decode (BatchMLAPagedAttentionWrapper)", preflight=fa_preflight),
+    "fa3": WrapperPath("fa3", Envelope(archs=FA_HOPPER, **_FA_COMMON,
+                                       notes="SM90a with CUDA >= 12.3; fp8 cache with bf16 query"),
+                       "FlashInfer FA3 (Hopper) MLA decode (BatchMLAPagedAttentionWrapper)", preflight=fa_preflight),
+    "cutlass": WrapperPath("cutlass", Envelope(
+        devices=("cuda",), archs=BLACKWELL_DC + ((11, 0),), page_sizes=_POW2_PAGES, dims=((512, 64),),
+        heads=(128,), dtypes=("bf16",), q_len=(1, 1), cache_dims=(3,), page_strided=False,
+        table_widths=("native",), lse=False,
+        notes="fixed softmax scale 1/sqrt(192) (other bmm1 refused by FlashInfer); contiguous cache only"),
+        "FlashInfer CUTLASS MLA decode (SM10x/11x)", layout="packed", preflight=cutlass_preflight),
+    "cutile": WrapperPath("cutile", Envelope(
+        devices=("cuda",), archs=BLACKWELL_DC + SM12X, page_sizes=_POW2_PAGES, dims=((512, 64), (256, 64)),
+        heads=None, max_heads=128, dtypes=("bf16",), q_len=(1, 1), cache_dims=(3,), page_strided=False,
+        table_widths=("native",), lse=False,
+        notes="experimental; needs cuda-tile >= 1.4 with the tileiras compiler; contiguous cache only"),
+        "FlashInfer cuTile MLA decode (experimental)"),
+}
+
+
+def wrapper_backends() -> list[FlashInferWrapperBackend]:
+    return [FlashInferWrapperBackend(name, path) for name, path in WRAPPER_PATHS.items()]

@@ -1,0 +1,93 @@
+"""What machine is this: GPUs and their SM versions, and the torch / CUDA / FlashInfer versions.
+
+Used by backends (is FlashInfer importable?), the ``doctor`` command and run records. Nothing here raises
+because a library or a GPU is missing: absence is reported as data.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import platform as _platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    memory_gib: float
+
+    @property
+    def sm(self) -> str:
+        return sm_name(self.capability)
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    python: str
+    torch: str
+    torch_cuda: str | None  # the CUDA version torch was built with (None: CPU-only build)
+    flashinfer: str | None  # installed version, None when not installed
+    flashinfer_error: str | None  # why `import flashinfer` failed, None when it works (or is not installed)
+    gpus: list[GpuInfo] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for g, info in zip(d["gpus"], self.gpus):
+            g["capability"] = list(info.capability)
+            g["sm"] = info.sm
+        return d
+
+    def describe(self) -> str:
+        gpus = ", ".join(f"cuda:{g.index} {g.name} ({g.sm})" for g in self.gpus) or "no CUDA GPU"
+        fi = self.flashinfer or "not installed"
+        if self.flashinfer_error:
+            fi += f" (import fails: {self.flashinfer_error})"
+        return (f"python {self.python}, torch {self.torch} (CUDA {self.torch_cuda or 'none'}), "
+                f"flashinfer {fi}; {gpus}")
+
+
+def sm_name(capability: tuple[int, int]) -> str:
+    """(9, 0) -> 'SM90', (10, 3) -> 'SM103'."""
+    return f"SM{capability[0]}{capability[1]}"
+
+
+def gpu_info(index: int) -> GpuInfo:
+    props = torch.cuda.get_device_properties(index)
+    return GpuInfo(index, props.name, (props.major, props.minor), round(props.total_memory / 2**30, 1))
+
+
+def visible_gpus() -> list[GpuInfo]:
+    """Every CUDA device this process can see (empty on a CPU-only machine or build)."""
+    if not torch.cuda.is_available():
+        return []
+    return [gpu_info(i) for i in range(torch.cuda.device_count())]
+
+
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python version, read from package metadata (no import)."""
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def flashinfer_import_error() -> str | None:
+    """None when ``import flashinfer`` works; otherwise one line saying why. Cached: the import takes seconds."""
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # any failure (missing, broken build, bad CUDA libs) is reported, not raised
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return None
+
+
+def platform_info() -> PlatformInfo:
+    return PlatformInfo(python=_platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
+                        flashinfer=flashinfer_version(), flashinfer_error=flashinfer_import_error(),
+                        gpus=visible_gpus())

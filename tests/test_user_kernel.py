@@ -1,0 +1,117 @@
+"""``--kernel MODULE:ATTR``: loading, the trtllm-gen default envelope, declared envelopes, one-line errors."""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mla_verify.backends.base import Envelope
+from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE
+from mla_verify.backends.user_kernel import _FIELDS, envelope_from_overrides, load_kernel
+from mla_verify.errors import UsageError
+from mla_verify.generate import ProblemSpec
+from mla_verify.harness import run_case
+from mla_verify.layouts import LayoutSpec
+
+KERNELS = '''
+from mla_verify.backends.cpu_peer import cpu_peer_decode
+
+def plain(*args, **kwargs):
+    """A Contract-1 kernel with no declaration."""
+    return cpu_peer_decode(*args, **kwargs)
+
+def narrow(*args, **kwargs):
+    return cpu_peer_decode(*args, **kwargs)
+narrow.mla_verify_envelope = {"page_sizes": [16], "devices": ["cpu"], "q_len": [1, 4], "dims": [[512, 64]],
+                              "archs": None, "cache_dims": [4], "lse_base": 2.0}
+
+class Holder:
+    @staticmethod
+    def nested(*args, **kwargs):
+        return cpu_peer_decode(*args, **kwargs)
+
+NOT_CALLABLE = 42
+
+def typo(*args, **kwargs):
+    return cpu_peer_decode(*args, **kwargs)
+typo.mla_verify_envelope = {"page_size": [16]}
+
+def ill_typed(*args, **kwargs):
+    return cpu_peer_decode(*args, **kwargs)
+ill_typed.mla_verify_envelope = {"q_len": [4, 1]}
+'''
+
+
+@pytest.fixture
+def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "my_kernels.py").write_text(textwrap.dedent(KERNELS))
+    (tmp_path / "broken_kernels.py").write_text("raise RuntimeError('cannot initialise the device')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_kernels"
+
+
+def test_a_plain_callable_is_held_to_trtllm_gens_envelope(kernels: str) -> None:
+    backend = load_kernel(f"{kernels}:plain")
+    assert backend.name == f"{kernels}:plain" and backend.envelope == TRTLLM_ENVELOPE
+    assert backend.description == "A Contract-1 kernel with no declaration."
+
+
+def test_a_declared_envelope_replaces_only_the_named_fields(kernels: str) -> None:
+    env = load_kernel(f"{kernels}:narrow").envelope
+    assert env.page_sizes == (16,) and env.devices == ("cpu",) and env.q_len == (1, 4)
+    assert env.dims == ((512, 64),) and env.cache_dims == (4,) and env.archs is None
+    assert env.heads == TRTLLM_ENVELOPE.heads and env.dtypes == TRTLLM_ENVELOPE.dtypes
+
+
+def test_a_user_kernel_is_verified_within_its_declared_envelope(kernels: str) -> None:
+    backend = load_kernel(f"{kernels}:narrow")
+    spec = ProblemSpec(seq_lens=(3, 50), q_len=2, num_heads=4, page_size=16, seed=2)
+    assert run_case(backend, spec, LayoutSpec(cache_dims=4), "cpu").verdict == "pass"
+    skipped = run_case(backend, spec, LayoutSpec(cache_dims=3), "cpu")
+    assert skipped.verdict == "skip" and "3-D cache" in skipped.reason
+
+
+def test_dotted_attributes_resolve(kernels: str) -> None:
+    assert load_kernel(f"{kernels}:Holder.nested").fn.__name__ == "nested"
+
+
+@pytest.mark.parametrize("target,complaint", [
+    ("my_kernels", "--kernel expects MODULE:ATTR"),
+    ("my_kernels:", "--kernel expects MODULE:ATTR"),
+    ("no_such_kernels:decode", "kernel module 'no_such_kernels' not found"),
+    ("broken_kernels:decode", "importing kernel module 'broken_kernels' failed: RuntimeError: cannot initialise"),
+    ("my_kernels:missing", "'my_kernels' has no attribute 'missing'"),
+    ("my_kernels:Holder.missing", "'Holder' has no attribute 'missing'"),
+    ("my_kernels:NOT_CALLABLE", "is a int, not a callable"),
+    ("my_kernels:typo", "unknown envelope field(s) ['page_size']"),
+    ("my_kernels:ill_typed", "envelope field 'q_len' must be [min, max]"),
+])
+def test_loading_errors_are_one_line_usage_errors(kernels: str, target: str, complaint: str) -> None:
+    with pytest.raises(UsageError) as err:
+        load_kernel(target)
+    assert complaint in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,complaint", [
+    ([16], "must be a dict of Envelope fields"),
+    ({"devices": ["tpu"]}, "'devices' must be"),
+    ({"devices": []}, "'devices' must be"),
+    ({"dtypes": ["int8"]}, "'dtypes' must be"),
+    ({"archs": [[9]]}, "'archs' must be"),
+    ({"page_sizes": [0]}, "'page_sizes' must be"),
+    ({"cache_dims": [5]}, "'cache_dims' must be"),
+    ({"table_widths": ["pad64"]}, "'table_widths' must be"),
+    ({"lse": "yes"}, "'lse' must be"),
+    ({"max_heads": True}, "'max_heads' must be"),
+    ({"lse_base": 1}, "'lse_base' must be"),
+])
+def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
+    with pytest.raises(UsageError, match=complaint):
+        envelope_from_overrides(overrides)
+
+
+def test_every_envelope_field_can_be_declared() -> None:
+    assert set(_FIELDS) == {f.name for f in dataclasses.fields(Envelope)}
+    assert envelope_from_overrides({}) == TRTLLM_ENVELOPE
