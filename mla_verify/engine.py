@@ -99,7 +99,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
             search()
         except _CaseFailed:
             shrunk = last_failure[-1]  # Hypothesis replays the minimal example last
-            result.failure = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.transform)
+            result.failure = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic)
             if result.failure.verdict != "fail":  # flaky: keep what was seen, say so
                 shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
                 result.failure = shrunk
