@@ -1,0 +1,163 @@
+"""The fa2/fa3 wrapper adapter on CPU: FlashInfer's real BatchMLAPagedAttentionWrapper plans and runs our
+arguments with only the device queries (an SM90 GPU) and the JIT-built FA module faked. The fake module
+computes with the CPU peer from exactly what the native kernel would receive, so the harness judges the whole
+adapter -- CSR metadata, split views, fp8 cache with a bf16 query, bmm2 applied after the kernel, base-2 LSE,
+``out`` in place -- and FlashInfer's own planner checks (used by ``why_not``) run for real.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from mla_verify.backends import get_backend
+from mla_verify.backends.cpu_peer import cpu_peer_decode
+from mla_verify.backends.flashinfer_wrapper import FlashInferWrapperBackend
+from mla_verify.generate import ProblemSpec, build_problem
+from mla_verify.harness import run_case
+from mla_verify.layouts import LayoutSpec, csr_to_block_table
+from mla_verify.problem import FP8
+
+fa_common = pytest.importorskip("flashinfer.mla._batch_mla._backends._fa_common")
+fa2_module = pytest.importorskip("flashinfer.mla._batch_mla._backends.fa2_backend")
+fa3_module = pytest.importorskip("flashinfer.mla._batch_mla._backends.fa3_backend")
+wrapper_module = pytest.importorskip("flashinfer.mla._batch_mla._wrapper")
+
+H200_SMEM = (233472, 232448)  # shared memory per SM / per block (opt-in) of an H100/H200
+
+
+class FakeFaModule:
+    """The generated FA MLA module: plan() records the host metadata, run() computes with the CPU peer."""
+
+    def __init__(self) -> None:
+        self.plan_args: tuple = ()
+        self.run_args: tuple = ()
+
+    def plan_with_staged_workspace_bytes(self, *args: Any) -> tuple[list[int], int]:
+        self.plan_args = args
+        return [0], 0
+
+    def run(self, *a: Any) -> None:
+        self.run_args = a
+        q_nope, q_pe, ckv, kpe, kv_indices, out, lse = a[3], a[4], a[5], a[6], a[7], a[8], a[9]
+        mask_mode, heads, page, sm_scale, base_e, ckv_scale, kpe_scale = a[10:17]
+        qo_indptr, kv_indptr, kv_len = self.plan_args[3], self.plan_args[4], self.plan_args[5]
+        B, q_len = kv_len.numel(), int(qo_indptr[1] - qo_indptr[0])
+        query = torch.cat([q_nope, q_pe], dim=-1).view(B, q_len, heads, -1)
+        cache = torch.cat([ckv.float() * ckv_scale, kpe.float() * kpe_scale], dim=-1)
+        table = csr_to_block_table(kv_indptr, kv_indices)
+        o, s = cpu_peer_decode(query, cache, None, 0, ckv.shape[-1], kpe.shape[-1], table, kv_len,
+                               int(kv_len.max()), bmm1_scale=sm_scale, return_lse=True)
+        out.copy_(o.view_as(out))
+        if lse is not None:
+            lse.copy_(s * (math.log(2.0) if base_e else 1.0))
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> FakeFaModule:
+    module = FakeFaModule()
+    for target in (fa_common, wrapper_module):
+        monkeypatch.setattr(target, "get_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(fa_common, "get_device_sm_count", lambda device: 132)
+    monkeypatch.setattr(fa_common, "_get_fa_shared_memory_limits", lambda device: H200_SMEM)
+    monkeypatch.setattr(fa_common, "is_sm90a_supported", lambda device: True)
+    for target in (fa2_module, fa3_module):
+        monkeypatch.setattr(target, "get_batch_mla_module", lambda *args: module)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # no pinned memory here
+    return module
+
+
+class OnCpu(FlashInferWrapperBackend):
+    """The same backend, allowed onto the CPU: only the device-type check is lifted, FlashInfer's checks stay."""
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return None
+
+
+def _on_cpu(name: str) -> OnCpu:
+    real = get_backend(name)
+    return OnCpu(real.name, real.path)
+
+
+SPEC = ProblemSpec(seq_lens=(3, 70, 129), q_len=3, num_heads=16, page_size=16, extra_pages=2, table_pad=2,
+                   softmax_scale=0.1352, bmm2_extra=1.5, seed=4)
+CASES = [
+    (SPEC, LayoutSpec()),
+    (replace(SPEC, page_size=1, q_len=1, num_heads=128), LayoutSpec(page_stride_pad=3, pass_out=False)),
+    (replace(SPEC, dtype="fp8", q_scale=0.5, k_scale=2.0, page_size=64), LayoutSpec(return_lse=False)),
+    (replace(SPEC, kv_lora_rank=256, bmm2_extra=1.0, q_len=1), LayoutSpec(page_stride_pad=1)),
+]
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3"])
+@pytest.mark.parametrize("spec,layout", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_the_harness_passes_fa_through_flashinfers_wrapper(fake_hopper: FakeFaModule, name: str,
+                                                           spec: ProblemSpec, layout: LayoutSpec) -> None:
+    result = run_case(_on_cpu(name), spec, layout, "cpu", transform="pages")
+    assert result.verdict == "pass", result.failures
+
+
+@pytest.mark.parametrize("spec,layout", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_the_native_kernel_receives_our_buffers_and_scales(fake_hopper: FakeFaModule, spec: ProblemSpec,
+                                                           layout: LayoutSpec) -> None:
+    problem = build_problem(spec)
+    prepared = _on_cpu("fa3").prepare(problem, layout)
+    prepared.invoke()
+    a = fake_hopper.run_args
+    q_nope, q_pe, ckv, kpe, out, lse = a[3], a[4], a[5], a[6], a[8], a[9]
+    mask_mode, heads, page, sm_scale, base_e, ckv_scale, kpe_scale = a[10:17]
+    assert (mask_mode, heads, page) == (1, spec.num_heads, spec.page_size)  # 1: causal (bottom-right)
+    assert sm_scale == pytest.approx(spec.bmm1_scale, rel=1e-12) and base_e is False
+    assert q_nope.dtype == q_pe.dtype == torch.bfloat16 and ckv.dtype == problem.kv_cache.dtype
+    pool = prepared.inputs["kv_pool"]
+    assert ckv.data_ptr() == pool.data_ptr()
+    assert kpe.data_ptr() == pool.data_ptr() + spec.kv_lora_rank * pool.element_size()
+    if spec.dtype == "fp8":
+        assert ckv.dtype == FP8 and (ckv_scale, kpe_scale) == (1.0, 1.0)  # dequant is folded into bmm1/bmm2
+        assert torch.equal(q_nope.to(FP8).to(torch.bfloat16), q_nope)  # the bf16 query is exactly the fp8 one
+    else:
+        assert q_nope.data_ptr() == problem.query.data_ptr()  # split views, no copy
+    if layout.pass_out:
+        assert out is prepared.out and out.dtype == torch.bfloat16
+    assert (lse is not None) == layout.return_lse
+
+
+def test_bmm2_is_applied_after_the_kernel_in_place(fake_hopper: FakeFaModule) -> None:
+    problem = build_problem(replace(SPEC, bmm2_extra=3.0))
+    prepared = _on_cpu("fa2").prepare(problem, LayoutSpec())
+    raw = prepared.invoke()
+    kernel_out = fake_hopper.run_args[8]
+    assert raw[0] is prepared.out is kernel_out
+    unscaled = cpu_peer_decode(problem.query, problem.kv_cache, None, 0, 512, 64, problem.block_table,
+                               problem.seq_lens, 129, bmm1_scale=problem.bmm1_scale)
+    assert torch.equal(prepared.out.view_as(unscaled), unscaled.mul_(3.0))  # same bf16 rounding, then x3
+
+
+def test_flashinfers_planner_refusals_become_why_not_reasons(fake_hopper: FakeFaModule) -> None:
+    cpu = torch.device("cpu")
+    # FlashInfer refuses causal tiles where its kernel would drop a visible key: 48 heads, 4 tokens, key 64
+    tile = replace(SPEC, seq_lens=(66,), q_len=4, num_heads=48)
+    reason = _on_cpu("fa3").why_not(tile, LayoutSpec(), cpu)
+    assert reason.startswith("FlashInfer's fa3 planner refuses it:") and "causal tile boundary" in reason
+    assert _on_cpu("fa3").why_not(replace(tile, seq_lens=(67,)), LayoutSpec(), cpu) is None
+    assert _on_cpu("fa2").why_not(SPEC, LayoutSpec(), cpu) is None
+
+
+def test_fp8_cache_is_refused_off_hopper(fake_hopper: FakeFaModule, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fa_common, "get_compute_capability", lambda device: (10, 0))
+    reason = _on_cpu("fa2").why_not(replace(SPEC, dtype="fp8"), LayoutSpec(), torch.device("cpu"))
+    assert "SM90" in reason and "FP8" in reason
+
+
+def test_cutlass_refuses_any_softmax_scale_but_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    cutlass_module = pytest.importorskip("flashinfer.mla._batch_mla._backends.cutlass_backend")
+    monkeypatch.setattr(cutlass_module, "get_compute_capability", lambda device: (10, 0))
+    backend, cpu = _on_cpu("cutlass"), torch.device("cpu")
+    plain = replace(SPEC, num_heads=128, q_len=1, softmax_scale=None, bmm2_extra=1.0)
+    layout = LayoutSpec(return_lse=False)  # cutlass returns no LSE
+    assert backend.why_not(plain, layout, cpu) is None
+    assert "fixed MLA softmax scale" in backend.why_not(replace(plain, softmax_scale=0.1352), layout, cpu)
