@@ -249,18 +249,26 @@ def default_timer(device: torch.device, samples: int | None = None) -> Timer:
 
 def run_bench(backends: Sequence[Backend], grid: Sequence[BenchCase], device: torch.device | str, *,
               timer: Timer | None = None, seed: int = 0, reference: bool = True, use_graphs: bool = True,
-              log: Callable[[str], None] = lambda s: None) -> BenchResult:
-    """Time every backend on every grid case it can run; ``timer`` defaults to CUDA graphs/events on a GPU."""
+              log: Callable[[str], None] = lambda s: None,
+              checkpoint: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Time every backend on every grid case it can run; ``timer`` defaults to CUDA graphs/events on a GPU.
+
+    ``checkpoint`` gets the partial result (``meta["complete"]`` False) after every case, so a run cut short
+    by a time limit still leaves the cases it finished.
+    """
     device = torch.device(device)
     timer = timer or default_timer(device)
     l2 = timer.l2_bytes()
     copy_bps = timer.copy_bandwidth(max(COPY_MIN_BYTES if device.type == "cuda" else 64 << 20, 16 * l2))
     log(f"device copy bandwidth: {_num(copy_bps and copy_bps / 1e9, '.0f')} GB/s; L2 {l2 / 2**20:.0f} MiB")
-    rows: list[CaseResult] = []
+    result = BenchResult(_meta(device, grid, [b.name for b in backends], timer, seed, l2, copy_bps, reference), [])
+    result.meta["complete"] = False
     for case in grid:
-        rows += _run_case(backends, case, device, timer, seed, reference, use_graphs, l2, copy_bps, log)
-    meta = _meta(device, grid, [b.name for b in backends], timer, seed, l2, copy_bps, reference)
-    return BenchResult(meta, rows)
+        result.cases += _run_case(backends, case, device, timer, seed, reference, use_graphs, l2, copy_bps, log)
+        if checkpoint is not None:
+            checkpoint(result)
+    result.meta["complete"] = True
+    return result
 
 
 def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device, timer: Timer, seed: int,
@@ -473,7 +481,8 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
         raise UsageError(f"no backend can run on {device}")
     result = run_bench(backends, make_grid(axes), device, timer=timer or default_timer(device, ns.samples),
                        seed=ns.seed, reference=not ns.no_reference, use_graphs=not ns.no_graphs,
-                       log=lambda line: print(line, file=sys.stderr, flush=True))  # progress: stderr
+                       log=lambda line: print(line, file=sys.stderr, flush=True),  # progress: stderr
+                       checkpoint=None if ns.out is None else lambda partial: partial.save(ns.out))
     result.meta["options"] = {k: v if isinstance(v, (int, float, str, bool, list, tuple, type(None))) else str(v)
                               for k, v in vars(ns).items() if not callable(v)}
     print(result.table())

@@ -174,8 +174,18 @@ def test_results_round_trip_and_every_output_is_written(tmp_path: Path) -> None:
     assert len(bars) == len(result.timed())
     for key in ("date", "device_name", "torch", "flashinfer", "grid", "formulas", "copy_gbps"):
         assert key in result.meta
+    assert result.meta["complete"] is True
     a = [c for c in result.cases if c.backend == "a"][0]
     assert math.isclose(a.median_ms, 1.0) and math.isclose(a.gbps, a.bytes / 1e-3 / 1e9)
+
+
+def test_each_finished_case_is_checkpointed() -> None:
+    seen: list[tuple[int, bool]] = []
+    clock = FakeClock()
+    run_bench(fake_backends(clock, {"a": 1e-3}), bench.make_grid(TINY_AXES), "cpu", reference=False,
+              timer=WallClockTimer(clock=clock, samples=2),
+              checkpoint=lambda partial: seen.append((len(partial.cases), partial.meta["complete"])))
+    assert seen == [(i + 1, False) for i in range(len(bench.make_grid(TINY_AXES)))]
 
 
 def test_the_timed_output_is_checked_against_the_reference() -> None:
