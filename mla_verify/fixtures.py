@@ -20,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .dims import MLADims
-from .errors import FixtureError, MLAVerifyError
+from .errors import FixtureError, MLAVerifyError, UsageError
 from .generate import ProblemSpec
 from .layouts import LayoutSpec
 from .problem import DecodeProblem
@@ -121,6 +121,23 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     except (KeyError, TypeError, ValueError) as e:
         raise FixtureError(f"{json_path}: malformed record ({type(e).__name__}: {e})") from None
     return Fixture(problem, spec, layout, meta, tensors, json_path)
+
+
+def check_writable_dir(directory: Path, what: str) -> None:
+    """Raise UsageError unless files can be created in ``directory`` (or, if it does not exist yet, in the
+    nearest existing directory above it, where it will be created). Probes with a real file: permission
+    bits say nothing to root or on a read-only mount."""
+    target = directory
+    while not target.exists():
+        target = target.parent
+    if not target.is_dir():
+        raise UsageError(f"{what}: {target} is not a directory")
+    probe = target / f".mla-verify-write-test-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write in {target}: {e.strerror}") from None
 
 
 def library_versions() -> dict[str, str | None]:

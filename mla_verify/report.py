@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .errors import UsageError
+from .fixtures import check_writable_dir
 
 if TYPE_CHECKING:
     from .engine import EngineResult
@@ -46,15 +47,9 @@ def check_report_path(value: str) -> Path:
     for p in output_paths(path).values():
         if p.is_dir():
             raise UsageError(f"--report: {p} is a directory")
-    parent = path.parent
-    if not parent.is_dir():
-        raise UsageError(f"--report: directory {parent} does not exist")
-    probe = parent / f".mla-verify-write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"--report: cannot write in {parent}: {e.strerror}") from None
+    if not path.parent.exists():
+        raise UsageError(f"--report: directory {path.parent} does not exist")
+    check_writable_dir(path.parent, "--report")
     return path
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mla_verify import fixtures
-from mla_verify.errors import FixtureError
+from mla_verify.errors import FixtureError, UsageError
 from mla_verify.fixtures import fixture_paths, load_fixture, save_fixture
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import LayoutSpec
@@ -204,3 +204,11 @@ def test_malformed_record(tmp_path):
     meta["layout"] = {"cache_dims": 3, "bogus": 1}
     path.write_text(json.dumps(meta))
     _refused(path, "malformed record")
+
+
+def test_check_writable_dir(tmp_path):
+    fixtures.check_writable_dir(tmp_path / "not" / "yet", "--fixtures-dir")  # created later, parent writable
+    assert list(tmp_path.iterdir()) == []  # the probe leaves nothing behind
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="--fixtures-dir: .*file is not a directory"):
+        fixtures.check_writable_dir(tmp_path / "file" / "sub", "--fixtures-dir")

@@ -116,7 +116,7 @@ def test_check_report_path(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the write probe is gone
     (tmp_path / "file").write_text("")
     (tmp_path / "dir.json").mkdir()
-    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"), (tmp_path / "file" / "r.json", "does not exist"),
+    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"), (tmp_path / "file" / "r.json", "not a directory"),
                        (tmp_path / "r.xml", "takes the JSON path"), (tmp_path / "dir.json", "is a directory")]:
         with pytest.raises(UsageError, match=match):
             check_report_path(str(bad))

@@ -1,0 +1,480 @@
+"""The ``mla-verify`` command (DESIGN.md, Contract 2).
+
+Exit codes: 0 every case passed; 1 a discrepancy was found (the shrunk case, its diagnosis and a reproducer
+fixture are printed); 2 bad usage, bad configuration or an unreadable fixture -- one line on stderr, no
+traceback. Everything a run needs is validated before the first case runs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import MLAVerifyError, UsageError
+
+EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE = 0, 1, 2
+DEFAULT_FIXTURES = Path("fixtures") / "regressions"
+PROFILE_NAMES = ("premerge", "fuzz", "dev")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (its own message plus where to look), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---------------------------------------------------------------- argument types
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _count(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of minutes, got {text}")
+    return value
+
+
+def parse_device(text: str) -> torch.device:
+    """cpu, cuda or cuda:N -- and it must exist on this machine."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported (cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU is usable here (torch {torch.__version__}, "
+                                         f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", device.index or 0)
+
+
+# ---------------------------------------------------------------- the parser
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import add_bench_arguments
+
+    parser = _Parser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    check = sub.add_parser("check", help="verify kernels on problems drawn by Hypothesis",
+                           description="Verify kernels. Exit 0: all passed; 1: a discrepancy; 2: bad usage.")
+    which = check.add_mutually_exclusive_group()
+    which.add_argument("--kernel", action="append", metavar="MODULE:ATTR",
+                       help="a trtllm-style callable to verify (repeatable)")
+    which.add_argument("--backend", action="append", metavar="NAME",
+                       help="a registered backend to verify (repeatable; see list-backends)")
+    _device_argument(check, "cpu")
+    check.add_argument("--profile", choices=PROFILE_NAMES, default="premerge",
+                       help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
+    check.add_argument("--seed", type=_seed, help="Hypothesis seed (default: the profile's fixed seed)")
+    check.add_argument("--max-examples", type=_count, metavar="N", help="drawn cases per backend")
+    check.add_argument("--minutes", type=_minutes, metavar="M", help="stop drawing new cases after M minutes")
+    check.add_argument("--report", metavar="PATH",
+                       help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
+    check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
+                       help="example database shared between runs (fuzz profile)")
+    check.add_argument("--fixtures-dir", type=Path, default=DEFAULT_FIXTURES, metavar="DIR",
+                       help="where reproducers of failures go (default: %(default)s)")
+    check.set_defaults(func=cmd_check)
+
+    replay = sub.add_parser("replay", help="re-run a reproducer fixture against the reference and its backend")
+    replay.add_argument("fixture", metavar="FIXTURE", help="the fixture's .json (or .safetensors, or their stem)")
+    which = replay.add_mutually_exclusive_group()
+    which.add_argument("--kernel", metavar="MODULE:ATTR", help="run this callable instead of the recorded one")
+    which.add_argument("--backend", metavar="NAME", help="run this backend instead of the recorded one")
+    _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
+    replay.set_defaults(func=cmd_replay)
+
+    report = sub.add_parser("report", help="re-render the Markdown/HTML/JUnit/SVG of a JSON report")
+    report.add_argument("json", metavar="JSON", help="a report written by check --report")
+    report.set_defaults(func=cmd_report)
+
+    doctor = sub.add_parser("doctor", help="GPUs, library versions, and which backends can run here")
+    doctor.set_defaults(func=cmd_doctor)
+
+    listing = sub.add_parser("list-backends", help="every backend, its envelope, and whether it can run here")
+    _device_argument(listing, None, "default: cuda if available, else cpu")
+    listing.set_defaults(func=cmd_list_backends)
+
+    bench = sub.add_parser("bench", help="latency, bandwidth and roofline of every runnable backend")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def _device_argument(parser: argparse.ArgumentParser, default: str | None, extra: str = "") -> None:
+    parser.add_argument("--device", type=parse_device, default=default, metavar="cpu|cuda|cuda:N",
+                        help=f"where kernels run ({extra or 'default: %(default)s'})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    ns.command_line = shlex.join(["mla-verify", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return ns.func(ns)
+    except MLAVerifyError as e:
+        print(f"mla-verify {ns.command}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"mla-verify {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# ---------------------------------------------------------------- check
+def cmd_check(ns: argparse.Namespace) -> int:
+    from .engine import verify
+    from .fixtures import check_writable_dir
+    from .hypothesis_db import resolve_database
+    from .profiles import get_profile
+    from .report import build_report, check_report_path, write_report
+    from .selfcheck import reference_selfcheck
+
+    # Everything that can be wrong with the command is found here, before the first case.
+    device: torch.device = ns.device
+    profile = get_profile(ns.profile)
+    report_path = check_report_path(ns.report) if ns.report else None
+    database = resolve_database(ns.hypothesis_db)
+    if database is not None and profile.deterministic:
+        print(f"note: --hypothesis-db is not used by the {profile.name} profile (it must not depend on what "
+              "earlier runs found); the fuzz profile uses it", file=sys.stderr)
+    check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
+    backends = _select_backends(ns.kernel, ns.backend, device)
+
+    started = time.monotonic()
+    selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
+    print(f"reference self-check: {selfcheck.describe()}", flush=True)
+    results = []
+    for backend, reason in backends:
+        if reason is not None:
+            print(f"skipped {backend.name}: {reason}", flush=True)
+    for backend, reason in backends:
+        if reason is not None:
+            results.append(verify(backend, device, profile))  # records the backend as unavailable
+            continue
+        with _Progress(backend.name, ns.minutes or profile.minutes) as progress:
+            result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
+                            minutes=ns.minutes, database=database, on_case=progress.update)
+        print(_summary_line(result), flush=True)
+        results.append(result)
+
+    fixtures = {}
+    for r in results:
+        if r.failure is not None and r.failure.problem is not None:
+            saved = _save_reproducer(ns.fixtures_dir, r.failure)
+            if saved is not None:
+                fixtures[r.backend] = str(saved)
+    for r in results:
+        if r.failure is not None:
+            _print_failure(r.failure, fixtures.get(r.backend))
+    if report_path is not None:
+        run = {"command": ns.command_line,
+               "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
+               "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2)}
+        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
+        print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
+    failed = not selfcheck.ok or any(r.failure is not None for r in results)
+    ran = sum(r.unavailable is None for r in results)
+    if not ran and not failed:
+        print("no backend could run here: only the reference self-check ran")
+    return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def _select_backends(kernels: list[str] | None, names: list[str] | None,
+                     device: torch.device) -> list[tuple[Any, str | None]]:
+    """(backend, why it cannot run here or None). A backend the user named must be able to run."""
+    from .backends import all_backends, get_backend
+    from .backends.user_kernel import load_kernel
+
+    if kernels:
+        chosen = [load_kernel(k) for k in kernels]
+    elif names:
+        chosen = [get_backend(n) for n in dict.fromkeys(names)]
+    else:
+        return [(b, b.unavailable_reason(device)) for b in all_backends().values()]
+    for b in chosen:
+        reason = b.unavailable_reason(device)
+        if reason is not None:
+            raise UsageError(f"{b.name} cannot run on {device}: {reason}")
+    return [(b, None) for b in chosen]
+
+
+def _save_reproducer(directory: Path, case: Any) -> Path | None:
+    """The minimal failing case as a fixture: its problem, the kernel's output, and how to re-run it."""
+    from .fixtures import save_fixture
+
+    meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
+            "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,
+            "reason": case.reason, "failures": case.failures, "diagnosis": case.diagnosis,
+            "stats": None if case.stats is None else case.stats.to_json(), "description": case.describe()}
+    extra = {}
+    if case.out is not None:
+        extra["kernel_out"] = case.out
+    if case.lse is not None:
+        extra["kernel_lse"] = case.lse
+    try:
+        return save_fixture(directory, case.id, case.problem, meta, extra)
+    except OSError as e:  # the discrepancy still stands (exit 1); only its reproducer is lost
+        print(f"mla-verify check: could not write the reproducer in {directory}: {e.strerror}", file=sys.stderr)
+        return None
+
+
+def _print_failure(case: Any, fixture: str | None) -> None:
+    print(f"\nFAIL {case.backend}: {case.reason}")
+    print(f"  minimal case: {case.spec.describe()}")
+    print(f"  layout: {case.layout.describe()}" + (f"; metamorphic check: {case.metamorphic}"
+                                                   if case.metamorphic != "none" else ""))
+    for f in case.failures:
+        print(f"  - {f}")
+    if case.diagnosis:
+        for d in case.diagnosis:
+            print(f"  diagnosis: {d}")
+    else:
+        print("  diagnosis: none of the known misreadings explains the output")
+    if fixture:
+        print(f"  reproducer: {fixture}")
+        print(f"  re-run: mla-verify replay {fixture}")
+
+
+def _summary_line(result: Any) -> str:
+    counts = {v: sum(c.verdict == v for c in result.cases) for v in ("pass", "fail", "skip")}
+    extra = " (time limit reached)" if result.timed_out else ""
+    return (f"{result.backend}: {result.verdict.upper()} -- {len(result.cases)} cases "
+            f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} outside the envelope) "
+            f"in {result.seconds:.1f} s{extra}")
+
+
+def _platform_line() -> str:
+    from .platform import platform_info
+
+    return platform_info().describe()
+
+
+class _Progress:
+    """Live counts on a terminal (stderr, redrawn in place at most 10 times a second); silent otherwise."""
+
+    REDRAW_S = 0.1
+
+    def __init__(self, name: str, minutes: float | None, stream: Any = None):
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.name, self.minutes = name, minutes
+        self.counts = {"pass": 0, "fail": 0, "skip": 0}
+        self.started = self.last = time.monotonic()
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def update(self, case: Any) -> None:
+        self.counts[case.verdict] = self.counts.get(case.verdict, 0) + 1
+        now = time.monotonic()
+        if self.live and now - self.last >= self.REDRAW_S:
+            self.last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = now - self.started
+        c = self.counts
+        line = (f"{self.name}: {sum(c.values())} cases, {c['fail']} failing, {c['skip']} skipped, "
+                f"{elapsed:.0f} s")
+        if self.minutes:
+            frac = min(1.0, elapsed / (60 * self.minutes))
+            line += f" [{'#' * int(20 * frac):<20}] of {self.minutes:g} min"
+        self.stream.write("\r" + line[:160] + "\x1b[K")
+        self.stream.flush()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------- replay
+def cmd_replay(ns: argparse.Namespace) -> int:
+    from .backends import get_backend
+    from .backends.user_kernel import load_kernel
+    from .errors import FixtureError
+    from .fixtures import load_fixture
+    from .harness import run_case
+
+    fx = load_fixture(ns.fixture)
+    if fx.spec is None:
+        raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")
+    recorded = fx.meta.get("backend")
+    if ns.kernel:
+        backend = load_kernel(ns.kernel)
+    elif ns.backend or recorded:
+        name = ns.backend or recorded
+        backend = load_kernel(name) if ":" in name else get_backend(name)  # a --kernel run records MODULE:ATTR
+    else:
+        raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
+    device = ns.device or _replay_device(fx.meta.get("source_device"))
+    reason = backend.why_not(fx.spec, fx.layout, device)
+    if reason is not None:
+        raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
+    print(f"replaying {fx.json_path} on {device}: {backend.name}")
+    print(f"  case: {fx.spec.describe()}")
+    print(f"  layout: {fx.layout.describe()}")
+    result = run_case(backend, fx.spec, fx.layout, device, fx.meta.get("metamorphic", "none"),
+                      problem=fx.problem.to(device))
+    for f in result.failures:
+        print(f"  - {f}")
+    for d in result.diagnosis:
+        print(f"  diagnosis: {d}")
+    _print_bit_comparison(fx, result, backend.name, recorded, device)
+    print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {fx.meta['verdict'].upper()})"
+                                                  if fx.meta.get("verdict") else ""))
+    return EXIT_DISCREPANCY if result.verdict == "fail" else EXIT_OK
+
+
+def _replay_device(recorded: str | None) -> torch.device:
+    if recorded:
+        try:
+            return parse_device(recorded)
+        except argparse.ArgumentTypeError:
+            pass  # recorded on a device this machine lacks: CPU is where every fixture can be replayed
+    return torch.device("cpu")
+
+
+def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | None, device: torch.device) -> None:
+    """Whether the kernel reproduced its recorded output (and LSE) bit for bit."""
+    if backend != recorded or "kernel_out" not in fx.tensors or result.out is None:
+        return
+    pairs = [(fx.tensors["kernel_out"], result.out)]
+    if "kernel_lse" in fx.tensors and result.lse is not None:
+        pairs.append((fx.tensors["kernel_lse"], result.lse))
+    same = all(same_bits(stored, got.detach().cpu()) for stored, got in pairs)
+    source = fx.meta.get("source_device", "cpu")
+    where = "" if torch.device(source).type == device.type else \
+        f" (recorded on {source}: bit identity is not expected across device types)"
+    what = "output and LSE" if len(pairs) == 2 else "output"
+    print(f"  kernel {what}: {'bit-identical to' if same else 'differ from'} the recorded run{where}")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of dtype, shape and every byte (NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(
+        (a.contiguous().reshape(-1).view(torch.uint8) == b.contiguous().reshape(-1).view(torch.uint8)).all())
+
+
+# ---------------------------------------------------------------- report, doctor, list-backends, bench
+def cmd_report(ns: argparse.Namespace) -> int:
+    from .report import load_report, render
+
+    path = Path(ns.json)
+    for p in render(load_report(path), path):
+        print(p)
+    return EXIT_OK
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    from .platform import platform_info
+
+    info = platform_info()
+    print(f"mla-verify {_version()}")
+    print(f"python {info.python}; torch {info.torch}; CUDA (torch build) {info.torch_cuda or 'none'}")
+    fi = info.flashinfer or "not installed"
+    print(f"flashinfer {fi}" + (f" -- import fails: {info.flashinfer_error}" if info.flashinfer_error else ""))
+    if not info.gpus:
+        print("GPUs: none visible")
+    for g in info.gpus:
+        print(f"GPU cuda:{g.index}: {g.name}, {g.sm}, {g.memory_gib} GiB")
+    devices = [torch.device("cpu")] + [torch.device("cuda", g.index) for g in info.gpus[:1]]
+    _print_backend_table(devices, with_envelope=False)
+    return EXIT_OK
+
+
+def cmd_list_backends(ns: argparse.Namespace) -> int:
+    device = ns.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _print_backend_table([device], with_envelope=True)
+    return EXIT_OK
+
+
+def _print_backend_table(devices: list[torch.device], with_envelope: bool) -> None:
+    from .backends import all_backends
+
+    backends = all_backends()
+    width = max(len(n) for n in backends)
+    for device in devices:
+        print(f"backends on {device}:")
+        for name, b in backends.items():
+            reason = b.unavailable_reason(device)
+            print(f"  {name:<{width}}  {'runs here' if reason is None else 'cannot run: ' + reason}")
+            if with_envelope:
+                details = ([b.description] if b.description else []) + [f"envelope: {envelope_summary(b.envelope)}"]
+                for line in details:
+                    print(f"  {'':<{width}}  {line}")
+
+
+def envelope_summary(env: Any) -> str:
+    """One line: what a backend claims to handle."""
+    def span(values: Sequence[int] | None, anything: str) -> str:
+        if values is None:
+            return anything
+        v = sorted(values)
+        runs, start = [], v[0]
+        for a, b in zip(v, v[1:] + [None]):
+            if b != a + 1:
+                runs.append(str(start) if start == a else f"{start}-{a}")
+                start = b
+        return ",".join(runs)
+
+    archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
+    return (f"devices {'/'.join(env.devices)} (arch {archs}); page {span(env.page_sizes, 'any')}; "
+            f"dims {', '.join(f'({r},{p})' for r, p in env.dims)}; heads {span(env.heads, f'1-{env.max_heads}')}; "
+            f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}; "
+            f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
+            f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import bench_command
+
+    return bench_command(ns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
