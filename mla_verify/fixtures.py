@@ -13,6 +13,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from platform import python_version
 from typing import Any
 
 import torch
@@ -142,19 +143,11 @@ def check_writable_dir(directory: Path, what: str) -> None:
 
 def library_versions() -> dict[str, str | None]:
     """Versions that can change a verdict: recorded in every fixture."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     from . import __version__
+    from .platform import flashinfer_version
 
-    def dist(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "flashinfer": dist("flashinfer-python"), "mla_verify": __version__}
+    return {"python": python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "flashinfer": flashinfer_version(), "mla_verify": __version__}
 
 
 def _read_meta(json_path: Path, tensors_path: Path) -> dict[str, Any]:
