@@ -1,0 +1,191 @@
+"""The pytest plugin: option resolution, one-line usage errors, per-device counts, and a real `-n 2` run."""
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mla_verify import pytest_plugin
+from mla_verify.workers import FAKE_GPU_ENV
+
+pytest_plugins = ["pytester"]
+
+# Inner runs need neither the cache nor Hypothesis's plugin. Without the latter, an in-process run does not
+# re-import (and assertion-rewrite) Hypothesis after pytester's sys.modules reset: ~3 s per run here.
+QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
+
+OPTIONS_CHECK = """
+from mla_verify.pytest_plugin import MLAOptions
+from mla_verify.workers import DeviceRequest
+
+def test_options(mla_options):
+    assert mla_options == {expected}
+"""
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB"):
+        monkeypatch.delenv(f"MLA_VERIFY_{name}", raising=False)
+    monkeypatch.delenv(FAKE_GPU_ENV, raising=False)
+    return monkeypatch
+
+
+def test_defaults(pytester, clean_env):
+    expected = ("MLAOptions(backends=(), kernel=None, device=DeviceRequest('auto'), profile='premerge', "
+                "seed=None, hypothesis_db=None)")
+    pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
+    pytester.runpytest(*QUIET).assert_outcomes(passed=1)
+
+
+def test_command_line_beats_environment_beats_ini(pytester, clean_env):
+    pytester.makeini("[pytest]\nmla_backend =\n    fa2\n    fa3\nmla_profile = fuzz\nmla_seed = 3\n"
+                     "mla_hypothesis_db = /tmp/db-from-ini\n")
+    clean_env.setenv("MLA_VERIFY_SEED", "7")  # env beats ini
+    clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
+    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='pkg.mod:fn', device=DeviceRequest('cpu'), "
+                "profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini')")
+    pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
+    pytester.runpytest(*QUIET, "--mla-kernel", "pkg.mod:fn", "--mla-device", "cpu",
+                       "--mla-profile", "dev").assert_outcomes(passed=1)
+
+    clean_env.setenv("MLA_VERIFY_BACKEND", "trtllm-gen, fa3")  # a comma list in the env beats the ini lines
+    for cli_backends, backends in [((), "('trtllm-gen', 'fa3')"),
+                                   (("--mla-backend", "cutlass", "--mla-backend", "fa2"), "('cutlass', 'fa2')")]:
+        pytester.makepyfile(OPTIONS_CHECK.format(expected=expected.replace("('fa2', 'fa3')", backends)))
+        pytester.runpytest(*QUIET, "--mla-kernel", "pkg.mod:fn", "--mla-device", "cpu",
+                           "--mla-profile", "dev", *cli_backends).assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--mla-device", "gpu"], {}, "ERROR: --mla-device: 'gpu' is not one of cpu, cuda, cuda:N, auto"),
+    ([], {"MLA_VERIFY_PROFILE": "nightly"}, "ERROR: --mla-profile: 'nightly' is not one of *"),
+    (["--mla-seed", "1.5"], {}, "ERROR: --mla-seed: '1.5' is not an integer"),
+    (["--mla-kernel", "no_colon"], {}, "ERROR: --mla-kernel: 'no_colon' is not MODULE:ATTR"),
+])
+def test_bad_option_is_one_usage_line(pytester, clean_env, args, env, message):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    pytester.makepyfile("def test_never(): pass")
+    result = pytester.runpytest(*QUIET, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert len([line for line in result.stderr.lines if line.strip()]) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that a CPU-only host lacks")
+def test_cuda_without_gpu_is_one_usage_line(pytester, clean_env):
+    pytester.makepyfile("def test_never(): pass")
+    result = pytester.runpytest(*QUIET, "--mla-device", "cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --mla-device cuda: no CUDA device is visible"])
+
+
+def test_summary_counts_each_outcome_of_device_tests_only(pytester, clean_env):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("setup fails")
+
+        def test_pass(mla_device): assert mla_device.type == "cpu"
+        def test_fail(mla_device): assert False
+        def test_skip(mla_device): pytest.skip("not here")
+        def test_error(mla_device, broken): pass
+        @pytest.mark.gpu
+        def test_marked_gpu(): pass  # counted without asking for mla_device
+        def test_no_device(): pass
+    """)
+    result = pytester.runpytest(*QUIET, "--mla-device", "cpu")
+    result.assert_outcomes(passed=3, failed=1, skipped=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*- mla-verify devices -*",
+        "mla-verify: main -> cpu: 1 error, 1 failed, 2 passed, 1 skipped",
+        "mla-verify: cpu: 5 tests (1 error, 1 failed, 2 passed, 1 skipped) on 1 worker(s)",
+    ])
+
+
+def test_assigned_gpu_is_made_current_before_device_tests(pytester, clean_env):
+    """On a (faked) 2-GPU host, ``--mla-device cuda:1`` makes cuda:1 current for device tests, and only them."""
+    current = []
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "device_count", lambda: 2)
+    clean_env.setattr(torch.cuda, "set_device", current.append)
+    pytester.makepyfile("""
+        import pytest
+        import torch
+
+        def test_fixture(mla_device): assert mla_device == torch.device("cuda:1")
+        @pytest.mark.gpu
+        def test_marked(): pass
+        def test_plain(): pass
+    """)
+    result = pytester.runpytest(*QUIET, "--mla-device", "cuda:1")
+    result.assert_outcomes(passed=3)
+    assert current == ["cuda:1", "cuda:1"]
+    result.stdout.fnmatch_lines(["mla-verify: main -> cuda:1: 2 passed"])
+
+
+def test_replacement_takes_the_crashed_workers_slot_even_after_another_finished(pytester):
+    """The controller-side hooks, in the order xdist calls them (its dsession: nodedown, then the clone)."""
+    config = pytester.parseconfigure(*QUIET)
+    nodes = {}
+
+    def start(worker_id):
+        nodes[worker_id] = SimpleNamespace(config=config, gateway=SimpleNamespace(id=worker_id), workerinput={})
+        pytest_plugin.pytest_configure_node(nodes[worker_id])
+        return nodes[worker_id].workerinput[pytest_plugin.SLOT_INPUT]
+
+    assert [start("gw0"), start("gw1"), start("gw2")] == [0, 1, 2]
+    pytest_plugin.pytest_testnodedown(nodes["gw0"], error=None)  # gw0 finished its tests
+    pytest_plugin.pytest_testnodedown(nodes["gw2"], error="Not properly terminated")  # gw2 crashed
+    assert start("gw3") == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates GPUs, which needs a CPU-only host")
+def test_two_workers_two_simulated_gpus_and_a_crash(pytester, clean_env):
+    """`-n 2` spreads workers over the GPUs; the replacement of a crashed worker keeps its GPU.
+
+    ``--dist each`` runs every test on every worker and hands the rest of a crashed worker's tests to its
+    replacement, so the counts below follow from this file alone.
+    """
+    clean_env.setenv(FAKE_GPU_ENV, "2")
+    pytester.makepyfile("""
+        import os
+        import pytest
+        import torch
+
+        def test_before(mla_device, mla_options):
+            assert mla_device == torch.device("cpu")  # simulated GPUs run on the CPU
+            assert mla_options.profile == "dev"  # options reach the workers
+        def test_skip(mla_device): pytest.skip("counted as skipped")
+        def test_crash(mla_device):
+            if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
+                os._exit(3)
+        def test_after(mla_device): pass
+        def test_no_device(): pass
+    """)
+    result = pytester.runpytest(*QUIET, "-n", "2", "--dist", "each", "--mla-profile", "dev")
+    result.stdout.fnmatch_lines(["*worker 'gw1' crashed while running*test_crash*"])
+    result.stdout.fnmatch_lines([
+        "mla-verify: gw0 -> cuda:0 (simulated): 3 passed, 1 skipped",
+        "mla-verify: gw1 -> cuda:1 (simulated): 1 passed, 1 skipped",
+        "mla-verify: gw2 -> cuda:1 (simulated): 1 passed",
+        "mla-verify: cuda:0 (simulated): 4 tests (3 passed, 1 skipped) on 1 worker(s)",
+        "mla-verify: cuda:1 (simulated): 3 tests (2 passed, 1 skipped) on 2 worker(s)",
+    ])
+
+
+def test_summary_orders_workers_and_devices_numerically():
+    counts = Counter({("gw10", "cuda:10", "passed"): 1, ("gw2", "cuda:2", "passed"): 2,
+                      ("gw1", "cuda:2", "failed"): 1})
+    assert pytest_plugin.summary_lines(counts) == [
+        "mla-verify: gw1 -> cuda:2: 1 failed",
+        "mla-verify: gw2 -> cuda:2: 2 passed",
+        "mla-verify: gw10 -> cuda:10: 1 passed",
+        "mla-verify: cuda:2: 3 tests (1 failed, 2 passed) on 2 worker(s)",
+        "mla-verify: cuda:10: 1 tests (1 passed) on 1 worker(s)",
+    ]
