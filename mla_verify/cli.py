@@ -280,9 +280,10 @@ def _print_failure(case: Any, fixture: str | None) -> None:
 
 
 def _summary_line(result: Any) -> str:
-    counts = {v: sum(c.verdict == v for c in result.cases) for v in ("pass", "fail", "skip")}
+    distinct = {c.id: c for c in reversed(result.cases)}.values()  # a shrinking search revisits cases
+    counts = {v: sum(c.verdict == v for c in distinct) for v in ("pass", "fail", "skip")}
     extra = " (time limit reached)" if result.timed_out else ""
-    return (f"{result.backend}: {result.verdict.upper()} -- {len(result.cases)} cases "
+    return (f"{result.backend}: {result.verdict.upper()} -- {len(distinct)} distinct cases "
             f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} outside the envelope) "
             f"in {result.seconds:.1f} s{extra}")
 
