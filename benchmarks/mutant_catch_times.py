@@ -1,119 +1,77 @@
-"""Time-to-catch per mutant: wall seconds from the start of a run until its first failing case.
+"""Time-to-catch per mutant under a run profile (premerge by default): a benchmark, nothing is asserted.
 
-A benchmark, not a test: nothing is asserted; the numbers go to ``--out`` (JSON, plus a Markdown table next
-to it). Each mutant meets the same mutant-agnostic case sequence, so the times compare how quickly a
-gate finds each bug class. The correct kernel runs the whole sequence as well (it must never fail).
+For each mutant, ``mla_verify.engine.verify`` runs the profile exactly as ``mla-verify check --kernel
+mla_verify.mutants:<name>`` would; we record the wall seconds and cases until its first failing case, the
+total with shrinking and diagnosis, the shrunk case and its diagnosis. The correct kernel runs the same
+profile (it must pass). Results go to ``--out`` (JSON) and a Markdown table next to it (``.md``).
 
-Cases come from ``CASE_SOURCES``: ``ladder`` is a seeded, derandomized mix of the envelope's axes (a
-stand-in for the premerge profile); register the premerge engine's case list there once it exists. Each
-case is judged by ``mla_verify.harness.run_case`` (pass ``--runner MODULE:ATTR`` for another one with
-the same signature).
-
-    python benchmarks/mutant_catch_times.py --out results/catch_times.json [--mutants a,b] [--cases 40]
+    python benchmarks/mutant_catch_times.py --out results/catch_times.json [--mutants a,b] [--profile premerge]
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.generate import ProblemSpec
-from mla_verify.layouts import LayoutSpec
-from mla_verify.metamorphic import TRANSFORMS
+from mla_verify.engine import verify
+from mla_verify.harness import CaseResult
 from mla_verify.mutants import MUTANTS, FaultyKernel, correct_kernel
 
-Case = tuple[ProblemSpec, LayoutSpec, str]  # spec, layout, metamorphic transform
 
-
-def ladder(count: int, seed: int = 0) -> list[Case]:
-    """``count`` cases drawn with a fixed seed over trtllm-gen's envelope, small problems first."""
-    rng = random.Random(seed)
-    cases = []
-    for i in range(count):
-        page = rng.choice((32, 64))
-        q_len = rng.choice((1, 1, 2, 4))
-        dtype = rng.choice(("bf16", "bf16", "fp8"))
-        fp8 = dict(q_scale=0.5, k_scale=0.25) if dtype == "fp8" else {}
-        longest = 8 + (i + 1) * 300 // count  # grows along the ladder
-        # boundary lengths as often as random ones: q_len itself, and whole pages
-        lengths = [rng.choice((rng.randint(q_len, longest), q_len, page * rng.randint(1, 1 + longest // page)))
-                   for _ in range(rng.randint(1, 4))]
-        spec = ProblemSpec(
-            seq_lens=tuple(lengths),
-            q_len=q_len, num_heads=rng.choice((1, 2, 4, 8, 16)), page_size=page, dtype=dtype,
-            softmax_scale=rng.choice((None, R1_SOFTMAX_SCALE)), bmm2_extra=rng.choice((1.0, 0.5)),
-            table_pad=rng.choice((0, 1)), pad_fill=rng.choice(("zero", "garbage", "oob")),
-            extra_pages=rng.choice((0, 2)), seed=i, **fp8)
-        layout = LayoutSpec(cache_dims=rng.choice((3, 4)), page_stride_pad=rng.choice((0, 8)),
-                            table_width=rng.choice(("native", "pad128")), pass_out=rng.choice((True, False)))
-        cases.append((spec, layout, TRANSFORMS[i % len(TRANSFORMS)]))
-    return cases
-
-
-CASE_SOURCES: dict[str, Callable[[int], Iterable[Case]]] = {"ladder": ladder}
-
-
-def time_to_catch(fn: FaultyKernel, cases: Iterable[Case], run_case: Callable[..., Any],
-                  device: str = "cpu") -> dict[str, Any]:
-    """Run ``cases`` in order until one fails; report the wall time to that failure."""
-    backend = TrtllmStyleBackend(fn.__name__, fn)
+def time_to_catch(fn: FaultyKernel, device: str, profile: str) -> dict[str, Any]:
+    """Run ``profile`` against ``fn``; time the first failing case and the whole run."""
     started = time.perf_counter()
-    ran = 0
-    for spec, layout, transform in cases:
-        result = run_case(backend, spec, layout, device, transform=transform, diagnose=False)
-        ran += result.verdict != "skip"
-        if result.verdict == "fail":
-            return {"caught": True, "seconds": round(time.perf_counter() - started, 3), "cases": ran,
-                    "reason": result.reason, "case": result.describe()}
-    return {"caught": False, "seconds": round(time.perf_counter() - started, 3), "cases": ran,
-            "reason": "", "case": ""}
+    first: dict[str, Any] = {"cases": 0, "seconds": None, "reason": ""}
+
+    def on_case(r: CaseResult) -> None:
+        if first["seconds"] is None:
+            first["cases"] += r.verdict != "skip"
+            if r.verdict == "fail":
+                first["seconds"], first["reason"] = round(time.perf_counter() - started, 3), r.reason
+
+    result = verify(TrtllmStyleBackend(fn.__name__, fn), device, profile, on_case=on_case)
+    failure = result.failure
+    return {"caught": result.verdict == "fail", "first_failure_s": first["seconds"],
+            "cases_to_first_failure": first["cases"], "first_reason": first["reason"],
+            "total_s": round(result.seconds, 3), "cases_total": len(result.cases),
+            "shrunk_case": failure.describe() if failure else "", "shrunk_reason": failure.reason if failure else "",
+            "diagnosis": failure.diagnosis if failure else []}
 
 
-def markdown(results: dict[str, dict[str, Any]], source: str) -> str:
-    lines = [f"# Mutant time-to-catch ({source} cases)", "",
-             "| kernel | bug class | caught | seconds | cases run | first failure |", "|---|---|---|---|---|---|"]
+def markdown(results: dict[str, dict[str, Any]], profile: str, device: str) -> str:
+    lines = [f"# Mutant time-to-catch ({profile} profile, {device})", "",
+             "| kernel | bug class | verdict | s to 1st failure | cases to 1st failure | total s | diagnosis of the shrunk case |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        bug_class = MUTANTS[name].bug_class if name in MUTANTS else "(correct kernel)"
-        caught = ("yes" if name in MUTANTS else "FALSE ALARM") if r["caught"] else ("NO" if name in MUTANTS else "no")
-        reason = r["reason"].replace("|", "/")[:120]
-        lines.append(f"| {name} | {bug_class} | {caught} | {r['seconds']} | "
-                     f"{r['cases']} | {reason} |")
+        mutant = MUTANTS.get(name)
+        verdict = ("caught" if mutant else "FALSE ALARM") if r["caught"] else ("SURVIVED" if mutant else "passed")
+        diagnosis = "; ".join(d.split(" [")[0] for d in r["diagnosis"])[:100] or "-"
+        lines.append(f"| {name} | {mutant.bug_class if mutant else '(correct kernel)'} | {verdict} | "
+                     f"{r['first_failure_s'] if r['caught'] else '-'} | {r['cases_to_first_failure']} | "
+                     f"{r['total_s']} | {diagnosis.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
-
-
-def _load(target: str) -> Callable[..., Any]:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes next to it (.md)")
     ap.add_argument("--mutants", default="", help="comma-separated names (default: all)")
-    ap.add_argument("--source", choices=sorted(CASE_SOURCES), default="ladder")
-    ap.add_argument("--cases", type=int, default=40)
-    ap.add_argument("--runner", default="mla_verify.harness:run_case")
+    ap.add_argument("--profile", default="premerge")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    run_case = _load(args.runner)
     names = [n for n in args.mutants.split(",") if n] or list(MUTANTS)
-    cases = list(CASE_SOURCES[args.source](args.cases))
     results = {}
     for name in names + ["correct_kernel"]:
         fn = correct_kernel if name == "correct_kernel" else MUTANTS[name].fn
-        results[name] = time_to_catch(fn, cases, run_case, args.device)
-        print(f"{name:24s} {'failed' if results[name]['caught'] else 'passed':6s} "
-              f"{results[name]['seconds']:8.2f}s {results[name]['cases']:4d} cases", flush=True)
+        r = results[name] = time_to_catch(fn, args.device, args.profile)
+        print(f"{name:24s} {'failed' if r['caught'] else 'passed':6s} first failure {r['first_failure_s']}s "
+              f"after {r['cases_to_first_failure']} cases; total {r['total_s']}s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"source": args.source, "cases": len(cases), "device": args.device,
-                                    "results": results}, indent=2))
-    args.out.with_suffix(".md").write_text(markdown(results, args.source))
+    args.out.write_text(json.dumps({"profile": args.profile, "device": args.device, "results": results}, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(results, args.profile, args.device))
 
 
 if __name__ == "__main__":

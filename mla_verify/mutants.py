@@ -67,9 +67,10 @@ class Faults:
 class FaultyKernel:
     """A Contract-1 callable: correct with ``Faults()``, otherwise wrong in exactly the given way."""
 
-    def __init__(self, faults: Faults, name: str = "correct_kernel"):
+    def __init__(self, faults: Faults, name: str = "correct_kernel", description: str = "the correct kernel"):
         self.faults = faults
         self.__name__ = name
+        self.__doc__ = description  # what `--kernel` shows as the backend's description
 
     def __repr__(self) -> str:
         return f"FaultyKernel({self.__name__})"
@@ -90,62 +91,67 @@ class FaultyKernel:
         scale = bmm1_scale if f.softmax_scale is None else f.softmax_scale
         target = out if (out is not None and f.write_out) else torch.empty(
             (B, Q, H, L), dtype=torch.bfloat16, device=query.device)
+        lens = [f.length(int(n), page) for n in seq_lens.tolist()]
+        starts = [f.table_row(b, B) * stride for b in range(B)]
+        npages = [-(-n // page) for n in lens]
+        res = torch.empty((B, Q, H, L), dtype=torch.float32, device=query.device)
         lse = torch.empty((B, Q, H), dtype=torch.float32, device=query.device)
-        for b in range(B):
-            n_true = int(seq_lens[b])
-            n = f.length(n_true, page)
-            start = f.table_row(b, B) * stride
-            npages = -(-n // page)
-            if start + npages > flat_table.numel():
-                raise IndexError(f"sequence {b} reads block-table entries past the end of the table")
-            pages = flat_table[start:start + npages].long()
+        for count in sorted(set(npages)):  # sequences with equally many pages are computed together
+            idx = [b for b in range(B) if npages[b] == count]
+            if max(starts[b] for b in idx) + count > flat_table.numel():
+                raise IndexError("a sequence reads block-table entries past the end of the table")
+            pages = torch.stack([flat_table[starts[b]:starts[b] + count] for b in idx]).long()
             if f.sort_pages:
-                pages = pages.sort().values
-            slots = (pages[:, None] * page + torch.arange(page, device=query.device)).reshape(-1)
-            kv = rows[slots].float()  # IndexError on a page id outside the pool
+                pages = pages.sort(dim=1).values
+            slots = (pages[..., None] * page + torch.arange(page, device=query.device)).reshape(len(idx), -1)
+            kv = rows[slots].float()  # [b, T, D]; IndexError on a page id outside the pool
             if f.rope_first:
                 kv = kv.roll(-R, dims=-1)  # what the kernel takes for [latent | rope]
-            o, lse[b] = _attend(query[b].float(), kv, n, scale, L, f)
-            o = o * bmm2_scale ** f.bmm2_power
-            if f.noise:
-                o = o * (1 + f.noise * torch.randn_like(o))
-            if f.heads_reversed:
-                o, lse[b] = o.flip(1), lse[b].flip(1)
-            if not (f.skip_aligned and n_true % page == 0):
-                target[b] = o.to(torch.bfloat16)
-            if f.scratch_tail and n_true % page:
-                cache[int(pages[-1]), n_true % page:] = 0
+            n = torch.tensor([lens[b] for b in idx], device=query.device)
+            res[idx], lse[idx] = _attend(query[idx].float(), kv, n, scale, L, f)
+        res *= bmm2_scale ** f.bmm2_power
+        if f.noise:
+            res *= 1 + f.noise * torch.randn_like(res)
+        if f.heads_reversed:
+            res, lse = res.flip(2), lse.flip(2)
+        true_lens = seq_lens.tolist()
+        written = [b for b in range(B) if not (f.skip_aligned and true_lens[b] % page == 0)]
+        target[written] = res[written].to(torch.bfloat16)
+        if f.scratch_tail:
+            for b, n in enumerate(true_lens):
+                if n % page:
+                    cache[int(block_tables[b, n // page]), n % page:] = 0
         lse = lse if not f.lse_base2 else lse / math.log(2.0)
         return (target, lse.reshape(B * Q, H)) if return_lse else target
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, n: int, scale: float, L: int,
+def _attend(q: torch.Tensor, kv: torch.Tensor, n: torch.Tensor, scale: float, L: int,
             f: Faults) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV attention of q [Q, H, D] over kv [T, D] (first n valid): (out [Q, H, L], natural lse [Q, H])."""
-    Q, H, D = q.shape
-    T = kv.shape[0]
+    """Split-KV attention of q [b, Q, H, D] over kv [b, T, D], the first n[i] rows valid in sequence i:
+    (out [b, Q, H, L], natural-log lse [b, Q, H])."""
+    b, Q, H, D = q.shape
+    T = kv.shape[1]
     pos = torch.arange(T, device=q.device)
-    v = kv[:, :L]
-    if f.mask_values:
-        v = v.masked_fill((pos >= n)[:, None], 0.0)
-    scores = (q.reshape(Q * H, D) @ kv.T).mul_(scale).view(Q, H, T)
-    limit = n - Q + torch.arange(Q, device=q.device) if f.causal else torch.full((Q,), n - 1, device=q.device)
-    hidden = (pos[None, :] > limit[:, None]) | (pos >= n)[None, :]
-    scores = scores.masked_fill(hidden[:, None, :], float("-inf")).view(Q * H, T)
+    outside = pos[None, :] >= n[:, None]  # [b, T]
+    v = kv[..., :L].masked_fill(outside[..., None], 0.0) if f.mask_values else kv[..., :L]
+    scores = torch.bmm(q.reshape(b, Q * H, D), kv.transpose(1, 2)).mul_(scale).view(b, Q, H, T)
+    last = n[:, None] - Q + torch.arange(Q, device=q.device) if f.causal else (n - 1)[:, None].expand(b, Q)
+    hidden = (pos[None, None, :] > last[..., None]) | outside[:, None, :]  # [b, Q, T]
+    scores = scores.masked_fill(hidden[:, :, None, :], float("-inf")).view(b, Q * H, T)
     chunks = -(-T // SPLIT_TOKENS)
     pad = chunks * SPLIT_TOKENS - T
-    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(Q * H, chunks, SPLIT_TOKENS)
-    v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(chunks, SPLIT_TOKENS, L)
-    m = scores.amax(-1)  # [QH, chunks]; -inf for a fully masked chunk
+    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(b, Q * H, chunks, SPLIT_TOKENS)
+    v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(b, chunks, SPLIT_TOKENS, L)
+    m = scores.amax(-1)  # [b, QH, chunks]; -inf for a fully masked chunk
     e = torch.exp(scores - torch.where(m == float("-inf"), 0.0, m)[..., None])
     part_l = e.sum(-1)
-    part_o = torch.einsum("xcj,cjl->xcl", e, v)
+    part_o = torch.einsum("bxcj,bcjl->bxcl", e, v)
     top = m.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)
     w = torch.exp(m - top) if f.rescale_merge else torch.ones_like(m)
-    total = (part_l * w).sum(-1)
-    o = (part_o * w[..., None]).sum(1) / total[:, None]
-    return o.view(Q, H, L), (top[:, 0] + torch.log(total)).view(Q, H)
+    total = (part_l * w).sum(-1)  # [b, QH]
+    o = (part_o * w[..., None]).sum(2) / total[..., None]
+    return o.view(b, Q, H, L), (top[..., 0] + torch.log(total)).view(b, Q, H)
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,7 @@ class Mutant:
 
 def _mutant(name: str, bug_class: str, description: str, diagnosis: str | None, trigger: ProblemSpec,
             trigger_layout: LayoutSpec = LayoutSpec(), **faults: Any) -> Mutant:
-    return Mutant(name, description, bug_class, FaultyKernel(Faults(**faults), name), diagnosis, trigger,
+    return Mutant(name, description, bug_class, FaultyKernel(Faults(**faults), name, description), diagnosis, trigger,
                   trigger_layout)
 
 
