@@ -107,35 +107,48 @@ def cases(env: Envelope, budget: Budget) -> st.SearchStrategy[Case]:
 
 
 def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
-    """The premerge profile's explicit cases: the envelope's extremes, each with out passed and LSE asked."""
-    page = max(env.page_sizes or DEFAULT_PAGE_SIZES)
+    """The premerge profile's explicit cases: the envelope's extremes, each with out passed and LSE asked.
+
+    Cheap, discriminating cases come first (non-default scales, q_len > 1, the smallest page, a native-width
+    table) so a faulty kernel is usually caught in seconds; the largest batch and longest sequence come last.
+    """
+    pages = env.page_sizes or DEFAULT_PAGE_SIZES
+    small, large = min(pages), max(pages)
     rank, rope = env.dims[0]
-    dtype = env.dtypes[0]
-    heads_max = max(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
-    heads_min = min(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
+    allowed = [h for h in range(1, env.max_heads + 1) if env.allows_heads(h)]
+    h_min, h_max = min(allowed), max(allowed)
+    h_few = min(allowed, key=lambda h: abs(h - 4))
     q_lo, q_hi = env.q_len
-    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // heads_min)
-    widest = min(env.max_batch, budget.max_batch, budget.units // (heads_min * (page + 1)))
     full = LayoutSpec(cache_dims=max(env.cache_dims), page_stride_pad=5 if env.page_strided else 0,
                       table_width=env.table_widths[-1], pass_out=env.pass_out[0], return_lse=env.lse)
-    base = dict(page_size=page, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype, extra_pages=3,
-                table_pad=2, pad_fill="oob")
-    per_heads = max(q_lo, min(3 * page + 1, budget.units // (heads_max * 2 * q_lo)))
+    native = LayoutSpec(cache_dims=min(env.cache_dims), table_width=env.table_widths[0],
+                        pass_out=env.pass_out[0], return_lse=env.lse)
+    r1 = dict(kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=env.dtypes[0], softmax_scale=R1_SOFTMAX_SCALE,
+              extra_pages=3, table_pad=2, pad_fill="oob")
+
+    def edges(page: int) -> tuple[int, ...]:
+        return tuple(sorted({max(q_hi, n) for n in (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)}))
+
+    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo))
+    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)))
     out = [
-        Case(ProblemSpec(seq_lens=(per_heads, 1 + q_lo), num_heads=heads_max, q_len=q_lo, seed=1, **base), full),
-        Case(ProblemSpec(seq_lens=tuple(max(q_lo, (i % (page + 1)) + 1) for i in range(widest)),
-                         num_heads=heads_min, q_len=q_lo, seed=2, **base), full, "batch"),
-        Case(ProblemSpec(seq_lens=(longest,), num_heads=heads_min, q_len=q_lo, seed=3, **base), full),
-        Case(ProblemSpec(seq_lens=(q_hi, page - 1 if page > q_hi else q_hi, page + 1, 2 * page), q_len=q_hi,
-                         num_heads=heads_min, softmax_scale=R1_SOFTMAX_SCALE, seed=4, **base), full, "pages"),
+        Case(ProblemSpec(seq_lens=edges(small), q_len=q_hi, num_heads=h_few, page_size=small, bmm2_extra=1.5,
+                         seed=1, **r1), native, "pages"),
+        Case(ProblemSpec(seq_lens=edges(large), q_len=q_hi, num_heads=h_few, page_size=large, bmm2_extra=0.5,
+                         seed=2, **r1), full, "table"),
+        Case(ProblemSpec(seq_lens=(max(q_lo, min(3 * large + 1, budget.units // (h_max * 2 * q_lo))), 1 + q_lo),
+                         q_len=q_lo, num_heads=h_max, page_size=large, seed=3, **r1), full),
     ]
     if "fp8" in env.dtypes:
-        fp8 = {**base, "dtype": "fp8"}
-        out.append(Case(ProblemSpec(seq_lens=(page + 1, 2 * page + 3, q_hi), q_len=q_lo, num_heads=heads_min,
-                                    softmax_scale=R1_SOFTMAX_SCALE, q_scale=2.0, k_scale=0.5, bmm2_extra=1.5,
-                                    seed=5, **fp8), full, "pool"))
-    for dims in env.dims[1:]:
-        other = {**base, "kv_lora_rank": dims[0], "qk_rope_head_dim": dims[1]}
-        out.append(Case(ProblemSpec(seq_lens=(page + 1, max(q_lo, 5)), num_heads=heads_min, q_len=q_lo, seed=6,
-                                    **other), full))
+        out.append(Case(ProblemSpec(seq_lens=edges(large), q_len=q_lo, num_heads=h_few, page_size=large,
+                                    q_scale=2.0, k_scale=0.5, bmm2_extra=1.5, seed=4, **{**r1, "dtype": "fp8"}),
+                        full, "pool"))
+    for other_rank, other_rope in env.dims[1:]:
+        out.append(Case(ProblemSpec(seq_lens=edges(small), q_len=q_lo, num_heads=h_few, page_size=small, seed=5,
+                                    **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))
+    out += [
+        Case(ProblemSpec(seq_lens=tuple(max(q_lo, i % (large + 1) + 1) for i in range(widest)), q_len=q_lo,
+                         num_heads=h_min, page_size=large, seed=6, **r1), full, "batch"),
+        Case(ProblemSpec(seq_lens=(longest,), q_len=q_lo, num_heads=h_min, page_size=large, seed=7, **r1), full),
+    ]
     return out

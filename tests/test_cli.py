@@ -222,8 +222,6 @@ def test_no_backend_named_checks_every_runnable_one_and_says_why_others_skip(cap
     assert run_main(capsys, "check", *FAST, "--fixtures-dir", tmp_path)[0] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py applies @hypothesis.seed, which sets database=None: "
-                   "--hypothesis-db is never written (remove this mark once engine.py is fixed)")
 def test_fuzz_runs_share_failures_through_the_database(capsys, tmp_path):
     """Run 2 with the same --hypothesis-db replays run 1's shrunk failure before drawing anything new."""
     runs = []

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
+#   source .gpu-bundle/activate.sh && bash benchmarks/h200_session.sh env warm gputests refbench bench
+#   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
+# Phases: env (versions, doctor), warm (JIT fa2/fa3 + a dev check each), gputests (pytest -m gpu, one worker
+# per core share of the GPU), refbench (reference vs fa3 time and memory), bench (grid twice + agreement),
+# fuzz (fa3 and fa2 side by side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3).
+set -uo pipefail
+R=${OUT:-/tmp/mla-out}/r
+mkdir -p "$R"
+trap 'tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" . ; ls -la "$R"' EXIT
+log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
+python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/pip.log" 2>&1 \
+  || log "editable install failed (see pip.log); the pytest plugin is loaded with -p instead"
+MV="python3 -m mla_verify.cli"
+for phase in "$@"; do
+  log "phase $phase"
+  case $phase in
+    env)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$R/nvidia-smi.csv"
+      $MV doctor 2>&1 | tee "$R/doctor.txt" ;;
+    warm)
+      for b in fa3 fa2; do
+        $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
+      done ;;
+    gputests)
+      start=$SECONDS; python3 -m pytest -p mla_verify.pytest_plugin -m gpu -n 4 -q -p no:cacheprovider tests \
+        2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
+    refbench)
+      python3 benchmarks/reference_vs_fa3.py --out "$R/refbench" 2>&1 | tee "$R/refbench.log" ;;
+    bench)
+      $MV bench --device cuda --backend fa2 --backend fa3 --out "$R/bench1" 2>&1 | tee "$R/bench1.log"
+      $MV bench --device cuda --backend fa2 --backend fa3 --out "$R/bench2" 2>&1 | tee "$R/bench2.log"
+      $MV bench --result "$R/bench2/bench.json" --compare "$R/bench1/bench.json" --threshold 0.05 \
+        2>&1 | tee "$R/bench_agreement.log" ;;
+    fuzz)
+      for b in fa3 fa2; do
+        $MV check --backend $b --device cuda --profile fuzz --minutes "${FUZZ_MINUTES:-5.2}" \
+          --report "$R/fuzz_$b.json" --fixtures-dir "$R/regressions" > "$R/fuzz_$b.log" 2>&1 &
+      done
+      wait
+      tail -5 "$R"/fuzz_*.log ;;
+    premerge)
+      $MV check --backend fa3 --backend fa2 --device cuda --profile premerge --report "$R/premerge_gpu.json" \
+        2>&1 | tee "$R/premerge_gpu.log" ;;
+    *) log "unknown phase $phase" ;;
+  esac
+done
