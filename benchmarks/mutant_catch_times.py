@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,12 @@ def time_to_catch(fn: FaultyKernel, device: str, profile: str) -> dict[str, Any]
 
 def markdown(results: dict[str, dict[str, Any]], profile: str, device: str) -> str:
     lines = [f"# Mutant time-to-catch ({profile} profile, {device})", "",
-             "| kernel | bug class | verdict | s to 1st failure | cases to 1st failure | total s | diagnosis of the shrunk case |",
+             "| kernel | bug class | verdict | s to 1st failure | cases to 1st failure | total s | diagnosis (catalog entries) |",
              "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         mutant = MUTANTS.get(name)
         verdict = ("caught" if mutant else "FALSE ALARM") if r["caught"] else ("SURVIVED" if mutant else "passed")
-        diagnosis = "; ".join(d.split(" [")[0] for d in r["diagnosis"])[:100] or "-"
+        diagnosis = ", ".join(n for d in r["diagnosis"] for n in re.findall(r"\[([a-z0-9_]+)\]", d)) or "-"
         lines.append(f"| {name} | {mutant.bug_class if mutant else '(correct kernel)'} | {verdict} | "
                      f"{r['first_failure_s'] if r['caught'] else '-'} | {r['cases_to_first_failure']} | "
                      f"{r['total_s']} | {diagnosis.replace('|', '/')} |")
