@@ -1,0 +1,66 @@
+"""Test-only forms of MLA decode that share no code with the reference: the definitions, written out slowly.
+
+- ``naive_decode``: float64, one (sequence, query token, head, KV position) at a time, following the block
+  table token by token.
+- ``sdpa_decode``: torch's scaled_dot_product_attention per sequence with an explicit bottom-right causal mask.
+Tiny problems only (a few heads, a few hundred tokens).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mla_verify.problem import DecodeProblem
+
+F64 = torch.float64
+
+
+def row_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst relative L2 error over output rows (one row per batch, query token and head)."""
+    got, want = got.double(), want.double()
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
+
+
+def naive_decode(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, q_len, H, L], lse base e [B, q_len, H], lse base 2 [B, q_len, H]) in float64."""
+    L = p.dims.kv_lora_rank
+    q, cache = p.query.to(F64), p.kv_cache.to(F64)
+    table, lens = p.block_table.tolist(), p.seq_lens.tolist()
+    out = torch.empty(p.batch, p.q_len, p.num_heads, L, dtype=F64)
+    lse_e = torch.empty(p.batch, p.q_len, p.num_heads, dtype=F64)
+    lse_2 = torch.empty_like(lse_e)
+    for b in range(p.batch):
+        for i in range(p.q_len):
+            position = lens[b] - p.q_len + i  # this query token's own KV position; it sees 0..position
+            rows = [cache[table[b][t // p.page_size], t % p.page_size] for t in range(position + 1)]
+            for h in range(p.num_heads):
+                scores = [p.bmm1_scale * float(torch.dot(q[b, i, h], row)) for row in rows]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = math.fsum(weights)
+                acc = torch.zeros(L, dtype=F64)
+                for w, row in zip(weights, rows):
+                    acc += w * row[:L]
+                out[b, i, h] = p.bmm2_scale * acc / total
+                lse_e[b, i, h] = top + math.log(total)
+                lse_2[b, i, h] = top / math.log(2) + math.log2(total)
+    return out, lse_e, lse_2
+
+
+def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
+    """Per sequence: gather its keys through the block table, run SDPA with a bottom-right causal mask."""
+    L = p.dims.kv_lora_rank
+    outs = []
+    for b, n in enumerate(p.seq_lens.tolist()):
+        positions = torch.arange(n)
+        pages = p.block_table[b].long()[positions // p.page_size]
+        keys = p.kv_cache[pages, positions % p.page_size].to(F64)  # [n, L + rope]
+        query = p.query[b].to(F64).transpose(0, 1)  # [H, q_len, L + rope]
+        # query token i sits at position n - q_len + i and sees every key up to it: bottom-right aligned
+        mask = torch.ones(p.q_len, n, dtype=torch.bool).tril(diagonal=n - p.q_len)
+        k = keys.expand(p.num_heads, n, -1)
+        o = F.scaled_dot_product_attention(query, k, k[..., :L], attn_mask=mask, scale=p.bmm1_scale)
+        outs.append(o.transpose(0, 1) * p.bmm2_scale)
+    return torch.stack(outs)

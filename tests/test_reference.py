@@ -1,0 +1,182 @@
+"""The reference, checked against three forms that share none of its code path.
+
+(a) the unabsorbed MHA form (expanded k_nope and v, head dim 192, value dim 128) projected through W_UV;
+(b) a naive float64 loop over batch, query token, head and KV position (tests/oracles.py);
+(c) torch's scaled_dot_product_attention with an explicit bottom-right causal mask (tests/oracles.py).
+Each is run across both dim presets, page sizes 1/16/32/64, q_len 1-4 and boundary lengths (1, page-1, page,
+page+1). ``test_checks_have_teeth`` shows every check rejects a reference fed a subtly wrong problem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+from oracles import naive_decode, row_rel_err, sdpa_decode
+
+from mla_verify.dims import R1_SOFTMAX_SCALE
+from mla_verify.generate import ProblemSpec, build_problem
+from mla_verify.problem import DecodeProblem
+from mla_verify.reference import ReferenceResult, reference_decode, unabsorbed_decode
+from mla_verify.selfcheck import absorbed_problem
+
+DIMS = (512, 256)  # kv_lora_rank of the two presets; qk_rope_head_dim is 64 for both
+PAGES = (1, 16, 32, 64)
+Q_LENS = (1, 2, 3, 4)
+GRID = list(itertools.product(DIMS, PAGES, Q_LENS))
+GRID_IDS = [f"L{rank}-page{page}-q{q}" for rank, page, q in GRID]
+
+# Both sides are float64 and differ only in summation order: agreement is ~1e-15. Any real mistake (scale,
+# mask, page, length) moves results by >1e-3, so 1e-10 keeps five orders of magnitude on both sides.
+F64_TOL = 1e-10
+
+
+def boundary_lengths(page: int, q_len: int) -> tuple[int, ...]:
+    """1, page-1, page, page+1 and a multi-page length -- those a q_len-token query can have."""
+    candidates = {1, q_len, page - 1, page, page + 1, 3 * page + 2}
+    return tuple(sorted(n for n in candidates if n >= q_len))
+
+
+def boundary_spec(rank: int, page: int, q_len: int, **changes) -> ProblemSpec:
+    spec = ProblemSpec(seq_lens=boundary_lengths(page, q_len), q_len=q_len, num_heads=3, page_size=page,
+                       kv_lora_rank=rank, extra_pages=2, table_pad=1, pad_fill="oob",
+                       bmm2_extra=0.75,  # != 1, so a reference that drops bmm2 is caught everywhere
+                       seed=rank + 100 * page + 10 * q_len)
+    return dataclasses.replace(spec, **changes)
+
+
+# -- (a) the unabsorbed MHA form --------------------------------------------------------------------------
+
+def unabsorbed_error(reference_problem: DecodeProblem, problem: DecodeProblem, q_nope: torch.Tensor,
+                     w_uk: torch.Tensor, w_uv: torch.Tensor) -> float:
+    """Relative error of W_UV(reference output on ``reference_problem``) vs the unabsorbed form on ``problem``."""
+    ref = reference_decode(reference_problem).out
+    projected = torch.einsum("bqhl,hlv->bqhv", ref, w_uv)
+    return row_rel_err(projected, unabsorbed_decode(problem, q_nope, w_uk, w_uv))
+
+
+@pytest.mark.parametrize("rank,page,q_len", GRID, ids=GRID_IDS)
+def test_matches_unabsorbed_mha_form(rank: int, page: int, q_len: int) -> None:
+    p, q_nope, w_uk, w_uv = absorbed_problem(boundary_spec(rank, page, q_len, dtype="fp64", num_heads=4))
+    assert unabsorbed_error(p, p, q_nope, w_uk, w_uv) < F64_TOL
+
+
+# -- (b) a naive float64 loop ---------------------------------------------------------------------------
+
+def naive_errors(result: ReferenceResult, p: DecodeProblem) -> tuple[float, float, float]:
+    """(output row error, |lse - naive| base e, |lse_base2 - naive| base 2); NaN when either side is NaN."""
+    out, lse_e, lse_2 = naive_decode(p)
+    return (row_rel_err(result.out, out), float((result.lse - lse_e).abs().max()),
+            float((result.lse_base2 - lse_2).abs().max()))
+
+
+@pytest.mark.parametrize("rank,page,q_len", GRID, ids=GRID_IDS)
+def test_matches_naive_loop(rank: int, page: int, q_len: int) -> None:
+    p = build_problem(boundary_spec(rank, page, q_len, num_heads=2))
+    ref = reference_decode(p)
+    assert bool(torch.isfinite(ref.out).all()) and bool(torch.isfinite(ref.lse).all())
+    # LSEs are O(1-10) here, so the same bound holds for them absolutely; NaN fails every comparison
+    assert all(err < F64_TOL for err in naive_errors(ref, p))
+
+
+# -- (c) torch's scaled_dot_product_attention -------------------------------------------------------------
+
+@pytest.mark.parametrize("rank,page,q_len", GRID, ids=GRID_IDS)
+def test_matches_sdpa(rank: int, page: int, q_len: int) -> None:
+    p = build_problem(boundary_spec(rank, page, q_len, num_heads=4))
+    assert row_rel_err(reference_decode(p).out, sdpa_decode(p)) < F64_TOL
+
+
+# -- fp8, other value distributions and scales -----------------------------------------------------------
+
+FP8_CASES = [(rank, page, q_len) for rank in DIMS for page in (32, 64) for q_len in (1, 4)]
+
+
+@pytest.mark.parametrize("rank,page,q_len", FP8_CASES, ids=[f"L{r}-page{p}-q{q}" for r, p, q in FP8_CASES])
+def test_fp8_problem_matches_dequantized_forms(rank: int, page: int, q_len: int) -> None:
+    # fp8 values with non-unit dequant scales: bmm1 = q_scale * k_scale * softmax_scale, bmm2 = k_scale
+    p = build_problem(boundary_spec(rank, page, q_len, dtype="fp8", q_scale=0.25, k_scale=3.0, values="outliers"))
+    ref = reference_decode(p)
+    assert all(err < F64_TOL for err in naive_errors(ref, p))
+    assert row_rel_err(ref.out, sdpa_decode(p)) < F64_TOL
+
+
+@pytest.mark.parametrize("values", ["large", "constant", "outliers"])
+def test_value_distributions_and_yarn_scale(values: str) -> None:
+    # R1's YaRN scale on peaked, nearly uniform and spiky softmaxes
+    spec = boundary_spec(512, 16, 2, values=values, softmax_scale=R1_SOFTMAX_SCALE)
+    p = build_problem(spec)
+    ref = reference_decode(p)
+    assert all(err < F64_TOL for err in naive_errors(ref, p))
+    assert row_rel_err(ref.out, sdpa_decode(p)) < F64_TOL
+
+
+def test_lse_bases_are_consistent_and_distinct() -> None:
+    # base-2 LSE = base-e LSE / ln 2: confusing them is off by ~40%, far outside any tolerance
+    ref = reference_decode(build_problem(boundary_spec(512, 32, 1)))
+    assert torch.allclose(torch.exp2(ref.lse_base2), torch.exp(ref.lse), rtol=1e-12, atol=0)
+    assert float((ref.lse_base2 - ref.lse).abs().min()) > 0.1
+
+
+# -- chunking and precision ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 18])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_chunking_does_not_change_a_bit(chunk_bytes: int, dtype: str) -> None:
+    # ragged and unsorted: the default chunk takes every sequence in one padded group, chunk_bytes=1 one group
+    # per sequence, 256 KiB a few groups of a few sequences each. Padding only adds exact zeros to each sum,
+    # so the bits must not move (checked on CPU; a GPU BLAS may pick shape-dependent reduction orders).
+    spec = ProblemSpec(seq_lens=(70, 2, 300, 64, 65, 129, 3, 200), q_len=2, num_heads=4, page_size=32,
+                       dtype=dtype, table_pad=3, extra_pages=4, seed=5)
+    p = build_problem(spec)
+    whole, chunked = reference_decode(p), reference_decode(p, chunk_bytes=chunk_bytes)
+    assert torch.equal(whole.out, chunked.out)
+    assert torch.equal(whole.lse, chunked.lse)
+
+
+@pytest.mark.parametrize("seq_len", [1, 100, 4096, 16384])
+def test_float32_precision_within_documented_bound(seq_len: int) -> None:
+    # reference.py documents the float32 mode as "below 1e-5" relative for T <= 64k tokens; outliers and the
+    # R1 scale give the largest scores (and so the largest exp() error) our generator makes
+    spec = ProblemSpec(seq_lens=(seq_len, max(1, seq_len // 3)), num_heads=4, page_size=64, values="outliers",
+                       softmax_scale=R1_SOFTMAX_SCALE, seed=seq_len)
+    p = build_problem(spec)
+    exact, fast = reference_decode(p), reference_decode(p, precision=torch.float32)
+    assert fast.out.dtype == torch.float32
+    assert row_rel_err(fast.out, exact.out) < 1e-5
+    # float32 holds an LSE of magnitude m only to ~m * 2^-24, so the LSE bound is relative once |lse| > 1
+    lse_err = (fast.lse.double() - exact.lse).abs() / exact.lse.abs().clamp(min=1.0)
+    assert float(lse_err.max()) < 1e-5
+
+
+# -- the checks have teeth -------------------------------------------------------------------------------
+
+WRONG_SCALE = 1 / math.sqrt(576)  # the classic MLA bug: the absorbed row width instead of nope + rope
+
+
+def _shorter_by_one(p: DecodeProblem) -> DecodeProblem:
+    lens = p.seq_lens.clone()
+    lens[-1] -= 1  # the longest sequence loses its last token (an off-by-one in the length)
+    return dataclasses.replace(p, seq_lens=lens)
+
+
+MISREADINGS = {
+    "scale 1/sqrt(576)": lambda p: dataclasses.replace(p, bmm1_scale=WRONG_SCALE),
+    "bmm2 scale dropped": lambda p: dataclasses.replace(p, bmm2_scale=1.0),
+    "seq_len off by one": _shorter_by_one,
+}
+
+
+@pytest.mark.parametrize("misreading", list(MISREADINGS))
+def test_checks_have_teeth(misreading: str) -> None:
+    """A reference that sees a subtly wrong problem is rejected by all three independent checks."""
+    wrong = MISREADINGS[misreading]
+    spec = boundary_spec(512, 16, 2)
+    p, q_nope, w_uk, w_uv = absorbed_problem(dataclasses.replace(spec, dtype="fp64"))
+    assert 1 / math.sqrt(192) == pytest.approx(p.bmm1_scale)  # the right scale, which the mutant replaces
+    # each misreading moves results by > 1e-4, six orders of magnitude above the tolerance the checks use
+    assert unabsorbed_error(wrong(p), p, q_nope, w_uk, w_uv) > F64_TOL * 1e6
+    assert max(naive_errors(reference_decode(wrong(p)), p)) > F64_TOL * 1e6
+    assert row_rel_err(reference_decode(wrong(p)).out, sdpa_decode(p)) > F64_TOL * 1e6
