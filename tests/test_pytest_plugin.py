@@ -1,7 +1,9 @@
 """The pytest plugin: option resolution, one-line usage errors, per-device counts, and a real `-n 2` run."""
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -189,3 +191,34 @@ def test_summary_orders_workers_and_devices_numerically():
         "mla-verify: cuda:2: 3 tests (1 failed, 2 passed) on 2 worker(s)",
         "mla-verify: cuda:10: 1 tests (1 passed) on 1 worker(s)",
     ]
+
+
+def _junit_devices():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "junit_devices.py"
+    spec = importlib.util.spec_from_file_location("junit_devices", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_junit_carries_devices_and_runs_compare_by_outcome(pytester, clean_env, capsys):
+    pytester.makepyfile("""
+        import os
+        import pytest
+        def test_same(mla_device): pass
+        def test_flips(mla_device): assert os.environ.get("FLIP") is None
+        def test_no_device(): pass
+    """)
+    pytester.runpytest(*QUIET, "--mla-device", "cpu", "--junitxml=a.xml").assert_outcomes(passed=3)
+    clean_env.setenv("FLIP", "1")
+    pytester.runpytest(*QUIET, "--mla-device", "cpu", "--junitxml=b.xml").assert_outcomes(passed=2, failed=1)
+    tool = _junit_devices()
+    a, b = str(pytester.path / "a.xml"), str(pytester.path / "b.xml")
+    assert tool.outcomes(a)["test_junit_carries_devices_and_runs_compare_by_outcome::test_same"] == \
+        ("passed", "cpu")
+    assert tool.main([a, a]) == 0
+    assert tool.main([a, b]) == 1
+    out = capsys.readouterr().out
+    assert "  cpu: 1 failure" in out
+    assert "DIFFERS test_junit_carries_devices_and_runs_compare_by_outcome::test_flips: passed vs failure" in out
+    assert "1 of 3 tests differ in outcome" in out
