@@ -58,8 +58,9 @@ Recompute = Callable[[DecodeProblem, ReferenceResult], "torch.Tensor | None"]  #
 
 def _solve(p: DecodeProblem) -> torch.Tensor | None:
     """The reference output of a transformed problem, or None when the misreading makes it malformed."""
-    try:
-        p.validate()
+    try:  # validated as if q_len were 1: a misread length may leave early query tokens nothing to see,
+        # which a kernel turns into NaN rows just as the reference does, so that is no reason to give up
+        replace(p, query=p.query[:, :1]).validate()
     except ProblemError:
         return None
     # fp32 is ~1e-5 from fp64 (reference.py): three orders below OUT_TOL, and twice as fast.

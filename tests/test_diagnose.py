@@ -74,3 +74,12 @@ def test_relative_error_requires_matching_nonfinite_positions() -> None:
     assert relative_error(a, a.clone()) == 0.0
     assert relative_error(a, torch.tensor([1.0, 3.0, 2.0])) == math.inf
     assert relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])) == pytest.approx(1 / math.sqrt(2))
+
+
+def test_misread_length_shorter_than_q_len_is_still_explained() -> None:
+    # seq_len == q_len: reading one token less leaves query token 0 nothing to attend to (a NaN row)
+    spec = ProblemSpec((4, 40), num_heads=2, page_size=32, q_len=4, seed=5)
+    result = run_case(TrtllmStyleBackend("length_minus_1", MUTANTS["length_minus_1"].fn), spec,
+                      MUTANTS["length_minus_1"].trigger_layout, "cpu", diagnose=False)
+    assert result.verdict == "fail" and bool(result.out.isnan().any())
+    assert "length_minus_1" in [e.name for e in diagnose(result.problem, result.out, result.lse)]
