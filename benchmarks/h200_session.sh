@@ -2,16 +2,25 @@
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
 #   source .gpu-bundle/activate.sh && bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
-# Phases: env (versions, doctor), warm (JIT fa2/fa3 + a dev check each), gputests (pytest -m gpu, one worker
+# Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT fa2/fa3 + a dev check each), gputests (pytest -m gpu, one worker
 # per core share of the GPU), refbench (reference vs fa3 time and memory), bench (grid twice + agreement),
 # fuzz (fa3 and fa2 side by side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3).
 set -uo pipefail
 R=${OUT:-/tmp/mla-out}/r
 mkdir -p "$R"
-trap 'tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" . ; ls -la "$R"' EXIT
+WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
+# FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time
+if [ -f .gpu-bundle/jit-cache.tar.gz ]; then mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"; fi
+finish() {
+  tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" .
+  [ -d "$WS" ] && tar czf "${OUT:-/tmp/mla-out}/jit-cache.tar.gz" -C "$WS" .
+  ls -la "$R" "${OUT:-/tmp/mla-out}"
+}
+trap finish EXIT
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/pip.log" 2>&1 \
-  || log "editable install failed (see pip.log); the pytest plugin is loaded with -p instead"
+  || log "editable install failed (see pip.log)"
+PLUGIN="-p no:mla_verify -p mla_verify.pytest_plugin"  # works whether or not the entry point is installed
 MV="python3 -m mla_verify.cli"
 for phase in "$@"; do
   log "phase $phase"
@@ -24,8 +33,11 @@ for phase in "$@"; do
         $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
       done ;;
     gputests)
-      start=$SECONDS; python3 -m pytest -p mla_verify.pytest_plugin -m gpu -n 4 -q -p no:cacheprovider tests \
+      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n 4 -q -p no:cacheprovider tests \
         2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
+    probe)
+      python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \
+        --out "$R/probe" 2>&1 | tee "$R/probe.log" | tail -4 ;;
     refbench)
       python3 benchmarks/reference_vs_fa3.py --out "$R/refbench" 2>&1 | tee "$R/refbench.log" ;;
     bench)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .problem import DecodeProblem
-from .reference import ReferenceResult, reference_decode
+from .reference import ReferenceResult, fast_matmul_mode, reference_decode
 
 # FlashAttention's factor: 2x the baseline's error for bf16, 4x for fp8 (their fp8 tests use 4x, too) --
 # a kernel may order its sums differently, but not be more than twice as lossy as a careful emulation.
@@ -61,7 +61,7 @@ class ErrorStats:
 
 def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
     """The same-precision PyTorch computation: what a careful ``dtype`` kernel returns (bf16 output)."""
-    low = reference_decode(problem, precision=torch.float32, p_dtype=P_DTYPE[dtype])
+    low = reference_decode(problem, torch.float32, p_dtype=P_DTYPE[dtype], matmul=fast_matmul_mode(problem))
     return low.out.to(torch.bfloat16)
 
 

@@ -27,7 +27,7 @@ from .compare import ErrorStats, baseline_decode, compare
 from .generate import ProblemSpec, build_problem
 from .layouts import LayoutSpec
 from .problem import DecodeProblem
-from .reference import reference_decode
+from .reference import ReferenceResult, fast_matmul_mode, reference_decode
 
 POISON_OUT = float("inf")
 
@@ -79,10 +79,11 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
         problem = build_problem(spec, device)
     failures = result.failures
     run = _run_kernel(backend, problem, layout, failures)
+    ref: ReferenceResult | None = None
     if run is not None:
         out, lse = run
         result.out, result.lse = out, lse
-        ref = reference_decode(problem, precision=torch.float64 if device.type == "cpu" else torch.float32)
+        ref = judge_reference(problem)
         baseline = baseline_decode(problem, spec.dtype)
         lse_base = backend.envelope.lse_base if layout.return_lse else None
         result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
@@ -95,7 +96,7 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
         result.verdict, result.reason, result.problem = "fail", failures[0], problem
         if diagnose and result.out is not None and result.out.shape == (problem.batch, problem.q_len,
                                                                          problem.num_heads, problem.dims.kv_lora_rank):
-            result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base)
+            result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -174,12 +175,17 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
 
 
-def _diagnose(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float) -> list[str]:
-    try:
-        from .diagnose import diagnose
-    except ImportError:
-        return []
-    return [str(e) for e in diagnose(problem, out, lse, lse_base)]
+def judge_reference(problem: DecodeProblem) -> ReferenceResult:
+    """float64 on CPUs; on GPUs the fast mode (exact bf16 products, fp32 sums; reference.py states its bound)."""
+    if problem.device.type == "cpu":
+        return reference_decode(problem, torch.float64)
+    return reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem))
+
+
+def _diagnose(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
+              truth: ReferenceResult | None) -> list[str]:
+    from .diagnose import diagnose
+    return [str(e) for e in diagnose(problem, out, lse, lse_base, truth=truth)]
 
 
 def _exc_line(exc: BaseException) -> str:

@@ -19,7 +19,9 @@ import torch
 from .problem import DecodeProblem
 
 LN2 = math.log(2.0)
-DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps; the default is 2x the cache bytes read
+MATMUL_MODES = ("exact", "bf16-split")
+EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 @dataclass
@@ -33,22 +35,37 @@ class ReferenceResult:
 
 
 def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.float64,
-                     chunk_bytes: int | None = None, p_dtype: torch.dtype | None = None) -> ReferenceResult:
+                     chunk_bytes: int | None = None, p_dtype: torch.dtype | None = None,
+                     matmul: str = "exact") -> ReferenceResult:
     """Exact attention of every query token over its causal prefix of the paged cache.
+
+    ``matmul="exact"`` converts the operands to ``precision`` (float64 by default). ``matmul="bf16-split"``
+    (bf16 / fp8 inputs only; float32 results) keeps the operands in bf16 -- fp8 and bf16 values are exact
+    there -- and accumulates in fp32, so the scores are the exact products summed in fp32; the probabilities
+    are split into two bf16 terms (hi + lo, relative error 2^-17 ~ 8e-6) for the second product. Tensor cores
+    then do the work: the fast mode used on GPUs, ~200x more precise than any bf16 kernel (~2e-3).
 
     ``p_dtype`` (bf16 / fp8) instead emulates a careful low-precision kernel -- the probabilities
     exp(s - rowmax) rounded to ``p_dtype`` before the second product, as flash-style kernels feed their
     tensor cores -- for the tolerance model's same-precision baseline.
     """
     p = problem
+    if matmul not in MATMUL_MODES:
+        raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {matmul!r}")
+    split = matmul == "bf16-split"
+    if split and (p.query.dtype not in EXACT_IN_BF16 or p.kv_cache.dtype not in EXACT_IN_BF16):
+        raise ValueError("matmul='bf16-split' needs bf16 or fp8 query and cache (exact in bf16)")
+    precision = torch.float32 if split else precision
     L = p.dims.kv_lora_rank
     B, Q, H, D = p.query.shape
     page = p.page_size
     itemsize = torch.empty((), dtype=precision).element_size()
+    in_itemsize = p.kv_cache.element_size()
     if chunk_bytes is None:
-        chunk_bytes = DEFAULT_CHUNK_BYTES["cuda" if p.device.type == "cuda" else "cpu"]
-    # per gathered token: the cache row, plus scores and probabilities for every (query token, head)
-    bytes_per_token = itemsize * (D + 2 * Q * H)
+        chunk_bytes = _default_chunk_bytes(p)
+    # per gathered token: the gathered row and its zeroed copy, its converted copy (exact mode), and scores,
+    # probabilities and their temporaries for every (query token, head)
+    bytes_per_token = 2 * D * in_itemsize + (0 if split else D * itemsize) + 4 * Q * H * itemsize
     out = torch.empty((B, Q, H, L), dtype=precision, device=p.device)
     lse = torch.empty((B, Q, H), dtype=precision, device=p.device)
     lens = p.seq_lens.tolist()
@@ -59,40 +76,73 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             tokens = -(-lens[order[start]] // page) * page  # the group's longest length, whole pages
             count = max(1, min(B - start, chunk_bytes // (tokens * bytes_per_token)))
             idx = torch.tensor(order[start:start + count], device=p.device)
-            o, s = _group(p, idx, tokens // page, precision, p_dtype)
+            o, s = _group(p, idx, tokens // page, precision, p_dtype, split)
             out[idx], lse[idx] = o, s
             start += count
     return ReferenceResult(out, lse)
 
 
+def fast_matmul_mode(problem: DecodeProblem) -> str:
+    """The quickest mode that stays exact in its products for this problem's dtypes."""
+    exact = problem.query.dtype in EXACT_IN_BF16 and problem.kv_cache.dtype in EXACT_IN_BF16
+    return "bf16-split" if exact else "exact"
+
+
+def _default_chunk_bytes(p: DecodeProblem) -> int:
+    """Work memory per chunk: twice the cache bytes the problem reads, within [64 MiB, cap]."""
+    cache_bytes = int(p.seq_lens.sum()) * p.kv_cache.shape[-1] * p.kv_cache.element_size()
+    cap = DEFAULT_CHUNK_BYTES["cuda" if p.device.type == "cuda" else "cpu"]
+    return max(64 << 20, min(cap, 2 * cache_bytes))
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
+    """a @ b; in split mode bf16 operands with fp32 accumulation and an fp32 result."""
+    if not split:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older PyTorch: same numbers, slower
+            pass
+    return torch.bmm(a.float(), b.float())
+
+
 def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dtype,
-           p_dtype: torch.dtype | None):
+           p_dtype: torch.dtype | None, split: bool):
     """Attention for the sequences ``idx``, all gathered to ``npages`` pages."""
     L = p.dims.kv_lora_rank
     Q, H, page = p.q_len, p.num_heads, p.page_size
     lens = p.seq_lens[idx].long()
     b = idx.numel()
     T = npages * page
+    operand = torch.bfloat16 if split else precision
     cols = torch.arange(npages, device=p.device)
     table = p.block_table[idx, :npages].long()
     table = torch.where(cols[None, :] < ((lens + page - 1) // page)[:, None], table, 0)  # never follow padding
     pos = torch.arange(T, device=p.device)
     kv = p.kv_cache[table].reshape(b, T, -1)
-    kv = _zero_rows(kv, pos[None, :] >= lens[:, None]).to(precision)  # NaN-poisoned tails must not leak
-    q = p.query[idx].to(precision).reshape(b, Q * H, -1)
-    scores = torch.bmm(q, kv.transpose(1, 2)).mul_(p.bmm1_scale).view(b, Q, H, T)
+    kv = _zero_rows(kv, pos[None, :] >= lens[:, None]).to(operand)  # NaN-poisoned tails must not leak
+    q = p.query[idx].reshape(b, Q * H, -1).to(operand)
+    scores = _bmm(q, kv.transpose(1, 2), split).mul_(p.bmm1_scale).view(b, Q, H, T)
     last_visible = lens[:, None] - Q + torch.arange(Q, device=p.device)[None, :]  # [b, Q]: causal limit
     hidden = pos[None, None, :] > last_visible[:, :, None]
     scores.masked_fill_(hidden[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    values = kv[..., :L]
     if p_dtype is None:
         probs = torch.exp(scores - lse[..., None]).view(b, Q * H, T)
-        out = torch.bmm(probs, kv[..., :L])
+        if split:  # probs = hi + lo in bf16 to 2^-17; one product over both halves
+            hi = probs.to(torch.bfloat16)
+            lo = (probs - hi.float()).to(torch.bfloat16)
+            both = _bmm(torch.cat([hi, lo], dim=1), values, split)
+            out = both[:, :Q * H] + both[:, Q * H:]
+        else:
+            out = torch.bmm(probs, values)
     else:
         unnormalized = torch.exp(scores - scores.amax(-1, keepdim=True))
         denominator = unnormalized.sum(-1).view(b, Q * H, 1)
-        rounded = unnormalized.to(p_dtype).to(precision).view(b, Q * H, T)
-        out = torch.bmm(rounded, kv[..., :L]) / denominator
+        rounded = unnormalized.to(p_dtype).to(operand).view(b, Q * H, T)
+        out = _bmm(rounded, values, split) / denominator
     return out.mul_(p.bmm2_scale).view(b, Q, H, L), lse
 
 
