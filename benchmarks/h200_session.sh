@@ -4,22 +4,26 @@
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
 # Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT fa2/fa3 + a dev check each), gputests (pytest -m gpu, one worker
 # per core share of the GPU), refbench (reference vs fa3 time and memory), bench (grid twice + agreement),
-# fuzz (fa3 and fa2 side by side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3).
+# fuzz (fa3 and fa2 side by side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel
+# (gputests, probe and fuzz at once).
 set -uo pipefail
 R=${OUT:-/tmp/mla-out}/r
 mkdir -p "$R"
-WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
-# FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time
-if [ -f .gpu-bundle/jit-cache.tar.gz ]; then mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"; fi
-finish() {
-  tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" .
-  [ -d "$WS" ] && tar czf "${OUT:-/tmp/mla-out}/jit-cache.tar.gz" -C "$WS" .
-  ls -la "$R" "${OUT:-/tmp/mla-out}"
-}
-trap finish EXIT
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
-python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/pip.log" 2>&1 \
-  || log "editable install failed (see pip.log)"
+if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the parallel phase's children
+  WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
+  # FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time
+  if [ -f .gpu-bundle/jit-cache.tar.gz ]; then mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"; fi
+  finish() {
+    tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" .
+    [ -d "$WS" ] && tar czf "${OUT:-/tmp/mla-out}/jit-cache.tar.gz" -C "$WS" .
+    ls -la "$R" "${OUT:-/tmp/mla-out}"
+  }
+  trap finish EXIT
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/pip.log" 2>&1 \
+    || log "editable install failed (see pip.log)"
+fi
+export MLA_SESSION_CHILD=1
 PLUGIN="-p no:mla_verify -p mla_verify.pytest_plugin"  # works whether or not the entry point is installed
 MV="python3 -m mla_verify.cli"
 for phase in "$@"; do
@@ -52,6 +56,12 @@ for phase in "$@"; do
       done
       wait
       tail -5 "$R"/fuzz_*.log ;;
+    parallel)  # correctness work shares the GPU fine (timings are taken in the other phases, alone)
+      bash "$0" gputests > "$R/par_gputests.log" 2>&1 &
+      PROBE_CASES=${PROBE_CASES:-40} bash "$0" probe > "$R/par_probe.log" 2>&1 &
+      bash "$0" fuzz > "$R/par_fuzz.log" 2>&1 &
+      wait
+      tail -3 "$R"/par_*.log; grep -hE "^mla-verify|passed|failed" "$R/pytest_gpu.log" | tail -8 ;;
     premerge)
       $MV check --backend fa3 --backend fa2 --device cuda --profile premerge --report "$R/premerge_gpu.json" \
         2>&1 | tee "$R/premerge_gpu.log" ;;

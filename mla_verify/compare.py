@@ -1,15 +1,21 @@
 """Error statistics, the tolerance model and per-case verdict reasons.
 
 The tolerance model follows FlashAttention's rule: a kernel may be at most ``FACTOR`` times as wrong as a
-careful same-precision PyTorch computation (the *baseline*: fp32 scores and softmax, probabilities rounded
-to the kernel's operand precision before the second product, output rounded to bf16), plus a floor for the
-rounding any bf16 output must make. Both are measured against the high-precision reference on the very
+same-precision PyTorch computation (the *baseline*) against the high-precision reference, plus a floor for
+the rounding any bf16 output must make. The baseline is what a plain bf16 PyTorch implementation does --
+``(q * scale)`` rounded to bf16 before the product, fp32 scores and softmax, probabilities rounded to the
+operand precision before the second product, output rounded to bf16. Both errors are measured on the very
 same problem, so the bound adapts to sequence length, head count and value distribution.
+
+Calibration (benchmarks/tolerance_probe.py, H200, FlashInfer 0.7.2.post1, 2 x 69 drawn cases, results in
+docs/gpu_results.md): fa2/fa3 error / this baseline's error was at most 1.36 (relative L2) and 1.73 (max
+abs); against a baseline that keeps the scale out of q it reached 1.68 and 2.45 -- so that stricter baseline
+would raise false alarms under FlashAttention's factor of 2, and this one leaves margin.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -60,8 +66,10 @@ class ErrorStats:
 
 
 def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
-    """The same-precision PyTorch computation: what a careful ``dtype`` kernel returns (bf16 output)."""
-    low = reference_decode(problem, torch.float32, p_dtype=P_DTYPE[dtype], matmul=fast_matmul_mode(problem))
+    """The same-precision PyTorch computation (see the module docstring); bf16 output."""
+    scaled_q = (problem.query.to(torch.float64) * problem.bmm1_scale).to(torch.bfloat16)
+    folded = replace(problem, query=scaled_q, bmm1_scale=1.0)
+    low = reference_decode(folded, torch.float32, p_dtype=P_DTYPE[dtype], matmul=fast_matmul_mode(folded))
     return low.out.to(torch.bfloat16)
 
 
@@ -80,8 +88,9 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     base_err = (baseline.to(o.device, torch.float64) - r).abs()
     ref_norm = float(r.norm()) or 1.0
     factor = FACTOR[dtype]
-    # Floor: rounding the reference's largest element to bf16 costs up to half an ulp; allow one ulp.
-    floor = _bf16_ulp(float(r.abs().max()))
+    # Floor: rounding the reference's largest element to bf16 costs up to half an ulp; allow two ulps, for
+    # an output scale applied after the kernel (a second rounding: the FlashInfer wrapper paths have no bmm2).
+    floor = 2 * _bf16_ulp(float(r.abs().max()))
     allowed_max = factor * float(base_err.max()) + floor
     base_rel = float(base_err.norm()) / ref_norm
     allowed_rel = factor * base_rel + 1e-6  # 1e-6: fp32 accumulation in the baseline itself

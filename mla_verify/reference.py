@@ -63,9 +63,9 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     in_itemsize = p.kv_cache.element_size()
     if chunk_bytes is None:
         chunk_bytes = _default_chunk_bytes(p)
-    # per gathered token: the gathered row and its zeroed copy, its converted copy (exact mode), and scores,
-    # probabilities and their temporaries for every (query token, head)
-    bytes_per_token = 2 * D * in_itemsize + (0 if split else D * itemsize) + 4 * Q * H * itemsize
+    # per gathered token: the gathered row, its converted copy (exact mode), and scores, probabilities and
+    # their temporaries for every (query token, head)
+    bytes_per_token = D * in_itemsize + (0 if split else D * itemsize) + 4 * Q * H * itemsize
     out = torch.empty((B, Q, H, L), dtype=precision, device=p.device)
     lse = torch.empty((B, Q, H), dtype=precision, device=p.device)
     lens = p.seq_lens.tolist()
@@ -116,12 +116,8 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
     b = idx.numel()
     T = npages * page
     operand = torch.bfloat16 if split else precision
-    cols = torch.arange(npages, device=p.device)
-    table = p.block_table[idx, :npages].long()
-    table = torch.where(cols[None, :] < ((lens + page - 1) // page)[:, None], table, 0)  # never follow padding
     pos = torch.arange(T, device=p.device)
-    kv = p.kv_cache[table].reshape(b, T, -1)
-    kv = _zero_rows(kv, pos[None, :] >= lens[:, None]).to(operand)  # NaN-poisoned tails must not leak
+    kv = _gather_rows(p, idx, lens, npages).to(operand)
     q = p.query[idx].reshape(b, Q * H, -1).to(operand)
     scores = _bmm(q, kv.transpose(1, 2), split).mul_(p.bmm1_scale).view(b, Q, H, T)
     last_visible = lens[:, None] - Q + torch.arange(Q, device=p.device)[None, :]  # [b, Q]: causal limit
@@ -130,12 +126,13 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
     lse = torch.logsumexp(scores, dim=-1)
     values = kv[..., :L]
     if p_dtype is None:
-        probs = torch.exp(scores - lse[..., None]).view(b, Q * H, T)
-        if split:  # probs = hi + lo in bf16 to 2^-17; one product over both halves
-            hi = probs.to(torch.bfloat16)
-            lo = (probs - hi.float()).to(torch.bfloat16)
-            both = _bmm(torch.cat([hi, lo], dim=1), values, split)
-            out = both[:, :Q * H] + both[:, Q * H:]
+        probs = torch.softmax(scores, dim=-1).view(b, Q * H, T)
+        if split:  # probs = hi + lo in bf16 to 2^-17, both halves in one product
+            both = torch.empty((b, 2 * Q * H, T), dtype=torch.bfloat16, device=p.device)
+            both[:, :Q * H] = probs
+            both[:, Q * H:] = probs.sub_(both[:, :Q * H])
+            halves = _bmm(both, values, split)
+            out = halves[:, :Q * H] + halves[:, Q * H:]
         else:
             out = torch.bmm(probs, values)
     else:
@@ -146,11 +143,18 @@ def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dt
     return out.mul_(p.bmm2_scale).view(b, Q, H, L), lse
 
 
-def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x with rows[...] set to +0.0, done on the raw bits (all-zero bits are +0.0 in every float format;
-    fp8 has no masked_fill)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return x.view(ints).masked_fill(rows[..., None], 0).view(x.dtype)
+def _gather_rows(p: DecodeProblem, idx: torch.Tensor, lens: torch.Tensor, npages: int) -> torch.Tensor:
+    """[b, npages * page, D] cache rows of the sequences ``idx``, in order. Positions past a sequence's end
+    read that sequence's first row instead: finite, and masked out of the scores, so a NaN-poisoned tail can
+    neither leak (0 * NaN) nor be followed through a padding entry of the block table."""
+    page = p.page_size
+    T = npages * page
+    pos = torch.arange(T, device=p.device)
+    pages = p.block_table[idx, :npages].long().gather(1, (pos // page).expand(idx.numel(), T))
+    rows = pages * page + pos % page
+    first = p.block_table[idx, :1].long() * page
+    rows = torch.where(pos[None, :] < lens[:, None], rows, first)
+    return p.kv_cache.flatten(0, 1)[rows.reshape(-1)].view(idx.numel(), T, -1)
 
 
 @contextlib.contextmanager

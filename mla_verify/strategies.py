@@ -127,7 +127,8 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
               extra_pages=3, table_pad=2, pad_fill="oob")
 
     def edges(page: int) -> tuple[int, ...]:
-        return tuple(sorted({max(q_hi, n) for n in (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)}))
+        lens = sorted({max(q_hi, n) for n in (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)})
+        return tuple(lens[-min(env.max_batch, budget.max_batch):])
 
     longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo))
     widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)))

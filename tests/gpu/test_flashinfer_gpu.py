@@ -71,7 +71,7 @@ def test_fa_grid_at_the_acceptance_corners(name: str, page: int, heads: int, q_l
     16k-token sequence next to 1-token and page-edge ones, fp8 cache included."""
     device = _cuda()
     backend = _runnable(name, device)
-    lens = (max(q_len, 1), page + 1, 16384, 3 * page - 1 if 3 * page - 1 >= q_len else q_len)
+    lens = (max(q_len, 1), max(q_len, page + 1), 16384, 3 * page - 1 if 3 * page - 1 >= q_len else q_len)
     for dtype, layout in (("bf16", LayoutSpec()), ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False))):
         spec = ProblemSpec(seq_lens=lens, q_len=q_len, num_heads=heads, page_size=page, dtype=dtype,
                            q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
