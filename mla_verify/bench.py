@@ -296,7 +296,7 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
             calls = [b.prepare(p, layout) for p in problems]
             armed = timer.arm(calls, use_graphs)
             timing = timer.measure(armed)
-            out = calls[0].to_canonical(armed.results[0])[0]
+            out = calls[0].judged(armed.results[0])[0]
         except Exception as e:  # one backend failing on one case must not hide the others' numbers
             row.status, row.reason = "error", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             rows.append(row)

@@ -69,7 +69,8 @@ def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     page = draw(st.sampled_from(env.page_sizes or DEFAULT_PAGE_SIZES))
     rank, rope = draw(st.sampled_from(env.dims))
     heads = draw(head_counts(env))
-    q_len = draw(st.one_of(st.just(env.q_len[0]), st.integers(*env.q_len)))
+    q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5)))  # q_len tokens >= q_len
+    q_len = draw(st.one_of(st.just(env.q_len[0]), st.integers(env.q_len[0], q_hi)))
     dtype = draw(st.sampled_from(env.dtypes))
     # the longest sequence of this case, then a batch that fits the budget with it
     top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len)))

@@ -126,7 +126,7 @@ def test_the_native_kernel_receives_our_buffers_and_scales(fake_hopper: FakeFaMo
     assert (lse is not None) == layout.return_lse
 
 
-def test_bmm2_is_applied_after_the_kernel_in_place(fake_hopper: FakeFaModule) -> None:
+def test_bmm2_is_applied_to_the_judged_output_not_the_kernels(fake_hopper: FakeFaModule) -> None:
     problem = build_problem(replace(SPEC, bmm2_extra=3.0))
     prepared = _on_cpu("fa2").prepare(problem, LayoutSpec())
     raw = prepared.invoke()
@@ -134,7 +134,9 @@ def test_bmm2_is_applied_after_the_kernel_in_place(fake_hopper: FakeFaModule) ->
     assert raw[0] is prepared.out is kernel_out
     unscaled = cpu_peer_decode(problem.query, problem.kv_cache, None, 0, 512, 64, problem.block_table,
                                problem.seq_lens, 129, bmm1_scale=problem.bmm1_scale)
-    assert torch.equal(prepared.out.view_as(unscaled), unscaled.mul_(3.0))  # same bf16 rounding, then x3
+    assert torch.equal(prepared.out.view_as(unscaled), unscaled)  # the kernel's own bf16 output, untouched
+    judged = prepared.judged(raw)[0]
+    assert judged.dtype == torch.float64 and torch.equal(judged, unscaled.double() * 3.0)  # no second rounding
 
 
 def test_flashinfers_planner_refusals_become_why_not_reasons(fake_hopper: FakeFaModule) -> None:

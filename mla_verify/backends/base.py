@@ -81,6 +81,13 @@ class PreparedCall:
     to_canonical: Callable[[Any], tuple[torch.Tensor, torch.Tensor | None]]
     # kernel result -> (out [B, q_len, H, L], lse in the backend's base [B, q_len, H] or None)
     extra: dict[str, Any] = field(default_factory=dict)
+    output_scale: float = 1.0  # a bmm2 the kernel cannot take: the harness applies it, in float64, to judge
+    # the output (doing it in bf16 after the kernel would add a rounding the kernel did not make)
+
+    def judged(self, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output to compare with the reference: canonical, with ``output_scale`` applied in float64."""
+        out, lse = self.to_canonical(result)
+        return (out if self.output_scale == 1.0 else out.to(torch.float64) * self.output_scale), lse
 
 
 class Backend(ABC):
