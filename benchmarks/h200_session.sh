@@ -38,7 +38,7 @@ for phase in "$@"; do
         $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
       done ;;
     gputests)
-      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
+      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" MLA_VERIFY_GPU_MAX_EXAMPLES=${GPU_MAX_EXAMPLES:-800} python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
         2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
     probe)
       python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \
@@ -51,7 +51,7 @@ for phase in "$@"; do
       $MV bench --result "$R/bench2/bench.json" --compare "$R/bench1/bench.json" --threshold 0.05 \
         2>&1 | tee "$R/bench_agreement.log" ;;
     fuzz)
-      for b in fa3 fa2; do
+      for b in ${FUZZ_BACKENDS:-fa3 fa2}; do
         $MV check --backend $b --device cuda --profile fuzz --minutes "${FUZZ_MINUTES:-5.2}" \
           --report "$R/fuzz_$b.json" --fixtures-dir "$R/regressions" > "$R/fuzz_$b.log" 2>&1 &
       done

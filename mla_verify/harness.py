@@ -75,22 +75,29 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
     if reason is not None:
         result.verdict, result.reason = "skip", f"{backend.name}: {reason}"
         return result
+    try:
+        return _judge(backend, spec, layout, device, transform, problem, diagnose, result, started)
+    except torch.OutOfMemoryError:
+        # the GPU is shared (other processes, the suite's own tensors): not a verdict on the kernel
+        torch.cuda.empty_cache()
+        result.verdict, result.reason = "skip", "out of device memory (GPU shared or the case too big for it)"
+        result.failures, result.out, result.lse, result.problem = [], None, None, None
+        result.seconds = time.perf_counter() - started
+        return result
+
+
+def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
+           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, started: float) -> CaseResult:
     if problem is None:
-        try:
-            problem = build_problem(spec, device)
-        except torch.OutOfMemoryError:
-            return _out_of_memory(result, "building the problem", started)
+        problem = build_problem(spec, device)
     failures = result.failures
     run = _run_kernel(backend, problem, layout, failures)
     ref: ReferenceResult | None = None
     if run is not None:
         out, lse = run
         result.out, result.lse = out, lse
-        try:
-            ref = judge_reference(problem)
-            baseline = baseline_decode(problem, spec.dtype)
-        except torch.OutOfMemoryError:
-            return _out_of_memory(result, "computing the reference", started)
+        ref = judge_reference(problem)
+        baseline = baseline_decode(problem, spec.dtype)
         lse_base = backend.envelope.lse_base if layout.return_lse else None
         result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
         failures += numeric
@@ -119,6 +126,8 @@ def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
     expected_shape = (problem.batch, problem.q_len, problem.num_heads, problem.dims.kv_lora_rank)
     try:
         raw = _invoke(prepared, expected_shape, problem.device)
+    except torch.OutOfMemoryError:
+        raise  # judged as the shared GPU's state, in run_case
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
         failures.append(f"kernel raised {_exc_line(exc)}")
         return None
@@ -180,14 +189,6 @@ def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
         return max(a.numel(), b.numel())
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
-
-
-def _out_of_memory(result: CaseResult, doing: str, started: float) -> CaseResult:
-    """The suite ran out of device memory itself (other processes share the GPU): not the kernel's fault."""
-    torch.cuda.empty_cache()
-    result.verdict, result.reason = "skip", f"out of device memory {doing} (the suite's, not the kernel's)"
-    result.seconds = time.perf_counter() - started
-    return result
 
 
 def judge_reference(problem: DecodeProblem) -> ReferenceResult:

@@ -87,3 +87,11 @@ def test_kernel_returning_wrong_shape_fails_cleanly():
         return torch.zeros(query.shape[:-1] + (L // 2,), dtype=torch.bfloat16)
     result = run_case(backend(half), SPEC, replace(LAYOUT, pass_out=False, return_lse=False), "cpu")
     assert result.verdict == "fail" and "shape" in result.reason
+
+
+def test_running_out_of_device_memory_is_a_skip_not_a_verdict():
+    """A shared GPU can be full for reasons that are not the kernel's; the case says so and is not judged."""
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.45 GiB")
+    result = run_case(backend(oom), SPEC, LAYOUT, "cpu")
+    assert result.verdict == "skip" and "out of device memory" in result.reason and not result.failures
