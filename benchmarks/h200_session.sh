@@ -5,7 +5,7 @@
 # Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT fa2/fa3 + a dev check each), gputests (pytest -m gpu, one worker
 # per core share of the GPU), refbench (reference vs fa3 time and memory), bench (grid twice + agreement),
 # fuzz (fa3 and fa2 side by side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel
-# (gputests, probe and fuzz at once).
+# (gputests, probe and fuzz at once), final (gputests and fuzz at once).
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -63,6 +63,11 @@ for phase in "$@"; do
       PROBE_CASES=${PROBE_CASES:-40} bash "$0" probe > "$R/par_probe.log" 2>&1 &
       wait
       tail -n 3 "$R"/par_*.log ;;
+    final)  # fuzz and the acceptance tests side by side
+      bash "$0" fuzz > "$R/par_fuzz.log" 2>&1 &
+      GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-2} bash "$0" gputests > "$R/par_gputests.log" 2>&1 &
+      wait
+      tail -n 4 "$R"/par_*.log ;;
     premerge)
       $MV check --backend fa3 --backend fa2 --device cuda --profile premerge --report "$R/premerge_gpu.json" \
         2>&1 | tee "$R/premerge_gpu.log" ;;
