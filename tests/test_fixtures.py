@@ -120,12 +120,17 @@ def test_truncated_tensors(tmp_path):
     _refused(path, "sha256 does not match")
 
 
-def test_tampered_tensor_byte(tmp_path):
-    path, _, _ = _save(tmp_path)
+def _flip_last_tensor_byte(path) -> bytes:
     tensors = fixture_paths(path)[0]
     data = bytearray(tensors.read_bytes())
     data[-1] ^= 0xFF
     tensors.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def test_tampered_tensor_byte(tmp_path):
+    path, _, _ = _save(tmp_path)
+    _flip_last_tensor_byte(path)
     _refused(path, "sha256 does not match")
 
 
@@ -134,12 +139,9 @@ def test_tampered_tensor_with_file_hash_forged(tmp_path):
     import hashlib
 
     path, _, _ = _save(tmp_path)
-    tensors = fixture_paths(path)[0]
-    data = bytearray(tensors.read_bytes())
-    data[-1] ^= 0xFF
-    tensors.write_bytes(bytes(data))
+    data = _flip_last_tensor_byte(path)
     meta = json.loads(path.read_text())
-    meta["tensors_sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    meta["tensors_sha256"] = hashlib.sha256(data).hexdigest()
     path.write_text(json.dumps(meta))
     _refused(path, "does not match its recorded dtype/shape/sha256")
 
