@@ -30,6 +30,7 @@ import torch
 
 from .backends.base import Backend
 from .bench_timing import CudaTimer, Timer, WallClockTimer
+from .cli import parse_device
 from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
@@ -495,19 +496,11 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
 
 
 def _device(text: str) -> torch.device:
+    """``cli.parse_device``, its one-line complaint raised as a UsageError (bench reports those itself)."""
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UsageError(f"--device: {text!r} is not a device (cuda, cuda:N or cpu)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("no CUDA GPU on this machine; benchmarks need one (--device cpu times CPU backends "
-                             "with a wall clock)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} GPU(s)")
-    elif device.type != "cpu":
-        raise UsageError(f"--device: {text!r} is not supported (cuda, cuda:N or cpu)")
-    return device
+        return parse_device(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--device {e}") from None
 
 
 def resolve_backends(names: list[str] | None, kernels: list[str] | None = None) -> list[Backend]:
