@@ -20,7 +20,6 @@ from .errors import MLAVerifyError, UsageError
 
 EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE = 0, 1, 2
 DEFAULT_FIXTURES = Path("fixtures") / "regressions"
-PROFILE_NAMES = ("premerge", "fuzz", "dev")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +80,7 @@ def parse_device(text: str) -> torch.device:
 # ---------------------------------------------------------------- the parser
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments
+    from .profiles import PROFILES
 
     parser = _Parser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify (repeatable; see list-backends)")
     _device_argument(check, "cpu")
-    check.add_argument("--profile", choices=PROFILE_NAMES, default="premerge",
+    check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
     check.add_argument("--seed", type=_seed, help="Hypothesis seed (default: the profile's fixed seed)")
     check.add_argument("--max-examples", type=_count, metavar="N", help="drawn cases per backend")
