@@ -57,9 +57,15 @@ def absorbed_problem(spec: ProblemSpec, device: torch.device | str = "cpu"
     return dataclasses.replace(p, query=query).validate(), q_nope, w_uk, w_uv
 
 
-def unabsorbed_error(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> float:
-    """Worst row relative error of W_UV(reference output) against the unabsorbed form."""
-    projected = torch.einsum("bqhl,hlv->bqhv", reference_decode(problem).out, w_uv)
+def unabsorbed_error(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, *,
+                     reference_problem: DecodeProblem | None = None) -> float:
+    """Worst row relative error of W_UV(reference output) against the unabsorbed form of ``problem``.
+
+    ``reference_problem`` (default ``problem``) is what the reference is run on: a test hands it a subtly
+    wrong copy to show this check rejects it.
+    """
+    ref = reference_decode(problem if reference_problem is None else reference_problem)
+    projected = torch.einsum("bqhl,hlv->bqhv", ref.out, w_uv)
     want = unabsorbed_decode(problem, q_nope, w_uk, w_uv)
     return float(((projected - want).norm(dim=-1) / want.norm(dim=-1)).max())
 

@@ -19,8 +19,8 @@ from oracles import naive_decode, row_rel_err, sdpa_decode
 from mla_verify.dims import R1_SOFTMAX_SCALE
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.problem import DecodeProblem
-from mla_verify.reference import ReferenceResult, reference_decode, unabsorbed_decode
-from mla_verify.selfcheck import absorbed_problem
+from mla_verify.reference import ReferenceResult, reference_decode
+from mla_verify.selfcheck import absorbed_problem, unabsorbed_error
 
 DIMS = (512, 256)  # kv_lora_rank of the two presets; qk_rope_head_dim is 64 for both
 PAGES = (1, 16, 32, 64)
@@ -49,18 +49,10 @@ def boundary_spec(rank: int, page: int, q_len: int, **changes) -> ProblemSpec:
 
 # -- (a) the unabsorbed MHA form --------------------------------------------------------------------------
 
-def unabsorbed_error(reference_problem: DecodeProblem, problem: DecodeProblem, q_nope: torch.Tensor,
-                     w_uk: torch.Tensor, w_uv: torch.Tensor) -> float:
-    """Relative error of W_UV(reference output on ``reference_problem``) vs the unabsorbed form on ``problem``."""
-    ref = reference_decode(reference_problem).out
-    projected = torch.einsum("bqhl,hlv->bqhv", ref, w_uv)
-    return row_rel_err(projected, unabsorbed_decode(problem, q_nope, w_uk, w_uv))
-
-
 @pytest.mark.parametrize("rank,page,q_len", GRID, ids=GRID_IDS)
 def test_matches_unabsorbed_mha_form(rank: int, page: int, q_len: int) -> None:
     p, q_nope, w_uk, w_uv = absorbed_problem(boundary_spec(rank, page, q_len, dtype="fp64", num_heads=4))
-    assert unabsorbed_error(p, p, q_nope, w_uk, w_uv) < F64_TOL
+    assert unabsorbed_error(p, q_nope, w_uk, w_uv) < F64_TOL
 
 
 # -- (b) a naive float64 loop ---------------------------------------------------------------------------
@@ -177,6 +169,6 @@ def test_checks_have_teeth(misreading: str) -> None:
     p, q_nope, w_uk, w_uv = absorbed_problem(dataclasses.replace(spec, dtype="fp64"))
     assert 1 / math.sqrt(192) == pytest.approx(p.bmm1_scale)  # the right scale, which the mutant replaces
     # each misreading moves results by > 1e-4, six orders of magnitude above the tolerance the checks use
-    assert unabsorbed_error(wrong(p), p, q_nope, w_uk, w_uv) > F64_TOL * 1e6
+    assert unabsorbed_error(p, q_nope, w_uk, w_uv, reference_problem=wrong(p)) > F64_TOL * 1e6
     assert max(naive_errors(reference_decode(wrong(p)), p)) > F64_TOL * 1e6
     assert row_rel_err(reference_decode(wrong(p)).out, sdpa_decode(p)) > F64_TOL * 1e6
