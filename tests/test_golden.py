@@ -1,11 +1,11 @@
 """Known-answer tests: the committed golden problems and their float64 answers (fixtures/golden/)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from oracles import naive_decode
 
 from mla_verify.backends import get_backend
 from mla_verify.compare import baseline_decode, compare
@@ -19,7 +19,7 @@ GOLDEN_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 # Outputs are convex combinations of O(1) values over <= 200 tokens, so rounding is ~200 * 2^-53 ~ 2e-14;
 # 1e-12 leaves 50x for that and still catches any real change (a wrong scale moves answers by > 1e-3).
 SAME_MATH_TOL = 1e-12
-# The naive per-token loop sums in a different order again (one dot product at a time): same bound.
+# The naive per-token loop (tests/oracles.py) sums in a different order again (one dot product at a time): same bound.
 NAIVE_TOL = 1e-12
 
 
@@ -43,31 +43,8 @@ def test_reference_reproduces_the_stored_answer(golden):
     assert (ref.lse - golden.tensors["ref_lse"]).abs().max().item() <= SAME_MATH_TOL
 
 
-def naive_decode(problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token, one head, one KV token at a time: the definition, written without the reference."""
-    p = problem
-    L = p.dims.kv_lora_rank
-    out = torch.zeros(p.batch, p.q_len, p.num_heads, L, dtype=torch.float64)
-    lse = torch.zeros(p.batch, p.q_len, p.num_heads, dtype=torch.float64)
-    for b in range(p.batch):
-        n = int(p.seq_lens[b])
-        rows = [p.kv_cache[int(p.block_table[b, t // p.page_size]), t % p.page_size].double() for t in range(n)]
-        for i in range(p.q_len):
-            visible = rows[: n - p.q_len + i + 1]  # causal: token i sits at position n - q_len + i
-            for h in range(p.num_heads):
-                q = p.query[b, i, h].double()
-                scores = [p.bmm1_scale * float(q @ k) for k in visible]
-                top = max(scores)
-                weights = [math.exp(s - top) for s in scores]
-                total = sum(weights)
-                lse[b, i, h] = top + math.log(total)
-                acc = sum(w * k[:L] for w, k in zip(weights, visible))
-                out[b, i, h] = p.bmm2_scale * acc / total
-    return out, lse
-
-
 def test_stored_answer_matches_the_naive_definition(golden):
-    out, lse = naive_decode(golden.problem)
+    out, lse, _ = naive_decode(golden.problem)
     assert (out - golden.tensors["ref_out"]).abs().max().item() <= NAIVE_TOL
     assert (lse - golden.tensors["ref_lse"]).abs().max().item() <= NAIVE_TOL
 
