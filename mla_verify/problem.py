@@ -78,7 +78,8 @@ class DecodeProblem:
         _expect(q.shape[2] == d.num_heads, "query", f"has {q.shape[2]} heads but dims.num_heads is {d.num_heads}")
         for name, t in (("query", q), ("kv_cache", kv)):
             _expect(t.dtype in SUPPORTED_DTYPES, name, f"dtype {t.dtype} is not one of bf16/fp16/fp32/fp64/fp8-e4m3")
-        _expect(min(q.shape) > 0 and min(kv.shape) > 0, "query", "query and kv_cache must be non-empty")
+        _expect(min(q.shape) > 0, "query", f"must be non-empty, got shape {tuple(q.shape)}")
+        _expect(min(kv.shape) > 0, "kv_cache", f"must be non-empty, got shape {tuple(kv.shape)}")
         _expect(bt.dtype == torch.int32, "block_table", f"must be int32, got {bt.dtype}")
         _expect(sl.dtype == torch.int32, "seq_lens", f"must be int32, got {sl.dtype}")
         _expect(bt.dim() == 2, "block_table", f"must be 2-D [batch, max_pages], got shape {tuple(bt.shape)}")

@@ -55,6 +55,10 @@ BAD: dict[str, tuple[str, Callable[[DecodeProblem], DecodeProblem]]] = {
     "seq_len negative": ("seq_lens", lambda p: _lens_with(p, 1, -3)),
     "fewer table rows than batch": ("block_table", lambda p: _with(p, block_table=p.block_table[:-1])),
     "fewer seq_lens than batch": ("seq_lens", lambda p: _with(p, seq_lens=p.seq_lens[:-1])),
+    "query with no tokens": ("query", lambda p: _with(p, query=p.query[:, :0])),
+    "empty batch": ("query", lambda p: _with(p, query=p.query[:0])),
+    "kv_cache with no pages": ("kv_cache", lambda p: _with(p, kv_cache=p.kv_cache[:0])),
+    "kv_cache pages of 0 slots": ("kv_cache", lambda p: _with(p, kv_cache=p.kv_cache[:, :0])),
 }
 
 
