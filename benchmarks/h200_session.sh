@@ -38,7 +38,7 @@ for phase in "$@"; do
         $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
       done ;;
     gputests)
-      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" MLA_VERIFY_GPU_MAX_EXAMPLES=${GPU_MAX_EXAMPLES:-800} python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
+      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
         2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
     probe)
       python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \

@@ -29,8 +29,10 @@ from mla_verify.platform import platform_info
 pytestmark = pytest.mark.gpu
 
 MIN_PASS = int(os.environ.get("MLA_VERIFY_GPU_MIN_PASS", "500"))
-# drawn cases asked of Hypothesis: a few more than must pass, as envelope refusals (skips) use examples too
-MAX_EXAMPLES = int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", str(MIN_PASS + MIN_PASS // 10)))
+# drawn cases asked of Hypothesis: more than must pass, as FlashInfer's planner refusals (skips) use examples
+# too -- on the H200 about a quarter of drawn cases were refused (fp8 with rank 256, causal tile edges), so
+# 550 gave ~415 passes and 800 gave ~596 (docs/gpu_results.md)
+MAX_EXAMPLES = int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", str(MIN_PASS * 8 // 5)))
 RECORD_DIR = os.environ.get("MLA_VERIFY_GPU_RECORD")
 FLASHINFER_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile")
 
