@@ -150,8 +150,8 @@ def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
     if not isinstance(out, torch.Tensor):
         failures.append(f"kernel returned {type(out).__name__}, not a tensor")
         return None
-    out = out.clone() if prepared.output_scale == 1.0 else out.to(torch.float64) * prepared.output_scale
-    return out, (None if lse is None else lse.clone())
+    judged, _ = prepared.judged(raw)  # output_scale, if any, applied in float64
+    return (judged.clone() if judged is out else judged), (None if lse is None else lse.clone())
 
 
 def _invoke(prepared: PreparedCall, out_shape: tuple[int, ...], device: torch.device) -> Any:

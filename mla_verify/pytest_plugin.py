@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from .backends import all_backends
+from .backends.user_kernel import load_kernel
 from .errors import UsageError
+from .hypothesis_db import resolve_database
 from .profiles import PROFILES
 from .workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request
 
@@ -87,9 +90,20 @@ def read_options(config: pytest.Config) -> MLAOptions:
         seed = None if seed_text is None else int(seed_text)
     except ValueError:
         raise UsageError(f"--mla-seed: {seed_text!r} is not an integer") from None
-    return MLAOptions(backends=tuple(_raw(config, "backend") or ()), kernel=kernel,
+    if seed is not None and seed < 0:
+        raise UsageError(f"--mla-seed: {seed} is negative")
+    backends = tuple(_raw(config, "backend") or ())
+    known = all_backends()
+    unknown = [name for name in backends if name not in known]
+    if unknown:  # a typo must not turn the gate into "everything skipped"
+        raise UsageError(f"--mla-backend: unknown backend {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    if kernel is not None:
+        load_kernel(kernel)  # the same one-line errors as `mla-verify check --kernel`, before any test runs
+    database = _raw(config, "hypothesis_db")
+    resolve_database(database)
+    return MLAOptions(backends=backends, kernel=kernel,
                       device=parse_device_request(_raw(config, "device") or "auto"), profile=profile,
-                      seed=seed, hypothesis_db=_raw(config, "hypothesis_db"))
+                      seed=seed, hypothesis_db=database)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -50,7 +50,7 @@ def _close_to_reference(spec: ProblemSpec, layout: LayoutSpec, **kwargs) -> None
     allowed = 2.0 ** -8 * ref.out.abs() + 1e-4 * float(ref.out.abs().max())
     assert bool((err <= allowed).all()), f"max err {float(err.max()):.3g}"
     lse_err = (lse.double().view_as(ref.lse) - ref.lse_base2).abs().max()
-    assert float(lse_err) < 1e-4
+    assert float(lse_err) < 1e-4  # fp32 sums of exp: ~1e-6; a base mix-up or a dropped split is off by > 0.1
 
 
 @pytest.mark.parametrize("changes,layout", CASES, ids=[str(i) for i in range(len(CASES))])

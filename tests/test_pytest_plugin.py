@@ -47,17 +47,17 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
                      "mla_hypothesis_db = /tmp/db-from-ini\n")
     clean_env.setenv("MLA_VERIFY_SEED", "7")  # env beats ini
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
-    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='pkg.mod:fn', device=DeviceRequest('cpu'), "
+    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.mutants:correct_kernel', device=DeviceRequest('cpu'), "
                 "profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini')")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
-    pytester.runpytest(*QUIET, "--mla-kernel", "pkg.mod:fn", "--mla-device", "cpu",
+    pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
                        "--mla-profile", "dev").assert_outcomes(passed=1)
 
     clean_env.setenv("MLA_VERIFY_BACKEND", "trtllm-gen, fa3")  # a comma list in the env beats the ini lines
     for cli_backends, backends in [((), "('trtllm-gen', 'fa3')"),
                                    (("--mla-backend", "cutlass", "--mla-backend", "fa2"), "('cutlass', 'fa2')")]:
         pytester.makepyfile(OPTIONS_CHECK.format(expected=expected.replace("('fa2', 'fa3')", backends)))
-        pytester.runpytest(*QUIET, "--mla-kernel", "pkg.mod:fn", "--mla-device", "cpu",
+        pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
                            "--mla-profile", "dev", *cli_backends).assert_outcomes(passed=1)
 
 
@@ -66,6 +66,12 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     ([], {"MLA_VERIFY_PROFILE": "nightly"}, "ERROR: --mla-profile: 'nightly' is not one of *"),
     (["--mla-seed", "1.5"], {}, "ERROR: --mla-seed: '1.5' is not an integer"),
     (["--mla-kernel", "no_colon"], {}, "ERROR: --mla-kernel: 'no_colon' is not MODULE:ATTR"),
+    (["--mla-seed", "-1"], {}, "ERROR: --mla-seed: -1 is negative"),
+    # a typo must not turn the gate into "everything skipped"
+    (["--mla-backend", "fa4"], {}, "ERROR: --mla-backend: unknown backend 'fa4'; known: *"),
+    ([], {"MLA_VERIFY_BACKEND": "fa3,nope"}, "ERROR: --mla-backend: unknown backend 'nope'; known: *"),
+    (["--mla-kernel", "no_such_pkg.mod:fn"], {}, "ERROR: kernel module 'no_such_pkg.mod' not found*"),
+    (["--mla-hypothesis-db", "http://localhost/db"], {}, "ERROR: *"),
 ])
 def test_bad_option_is_one_usage_line(pytester, clean_env, args, env, message):
     for name, value in env.items():

@@ -48,6 +48,7 @@ ill_typed.mla_verify_envelope = {"q_len": [4, 1]}
 def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "my_kernels.py").write_text(textwrap.dedent(KERNELS))
     (tmp_path / "broken_kernels.py").write_text("raise RuntimeError('cannot initialise the device')\n")
+    (tmp_path / "exiting_kernels.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_kernels"
 
@@ -82,6 +83,8 @@ def test_dotted_attributes_resolve(kernels: str) -> None:
     ("my_kernels:", "--kernel expects MODULE:ATTR"),
     ("no_such_kernels:decode", "kernel module 'no_such_kernels' not found"),
     ("broken_kernels:decode", "importing kernel module 'broken_kernels' failed: RuntimeError: cannot initialise"),
+    # a module that calls sys.exit at import must not take the command's exit code with it
+    ("exiting_kernels:decode", "importing kernel module 'exiting_kernels' failed: SystemExit: 3"),
     ("my_kernels:missing", "'my_kernels' has no attribute 'missing'"),
     ("my_kernels:Holder.missing", "'Holder' has no attribute 'missing'"),
     ("my_kernels:NOT_CALLABLE", "is a int, not a callable"),

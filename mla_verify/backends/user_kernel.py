@@ -87,7 +87,7 @@ def load_kernel(target: str) -> TrtllmStyleBackend:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise UsageError(f"kernel module '{module_name}' not found ({exc})") from None
-    except Exception as exc:  # a module that fails while importing: report it, one line
+    except (Exception, SystemExit) as exc:  # a module that fails (or exits) while importing: one line
         raise UsageError(f"importing kernel module '{module_name}' failed: {type(exc).__name__}: {exc}") from None
     for part in attr_path.split("."):
         if not hasattr(obj, part):
