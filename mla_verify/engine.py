@@ -71,41 +71,49 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
             on_case(r)
         return r
 
+    corner_failure: CaseResult | None = None
     if prof.corner_cases:
         for case in corner_cases(backend.envelope, budget):
             r = record(case, diagnose=True)
             if r.verdict == "fail":
-                result.failure = r
+                corner_failure = r
                 break
+    # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
+    # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
+    last_failure: list[CaseResult] = []
+
+    @hypothesis_settings(prof, max_examples, database)
+    @given(cases(backend.envelope, budget))
+    def search(case: Case) -> None:
+        if deadline is not None and not last_failure and time.monotonic() > deadline:
+            raise _TimeUp()
+        r = record(case)
+        if prof.targeted and r.stats is not None:
+            target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
+        if r.verdict == "fail":
+            last_failure.append(r)
+            raise _CaseFailed(r.reason)
+
+    # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
+    # so runners sharing a database replay each other's failures for that backend.
+    search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()
+    if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
+        search = hypothesis_seed(seed)(search)
+    try:
+        search()
+    except _CaseFailed:
+        shrunk = last_failure[-1]  # Hypothesis replays the minimal example last
+        result.failure = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic)
+        if result.failure.verdict != "fail":  # flaky: keep what was seen, say so
+            shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
+            result.failure = shrunk
+    except _TimeUp:
+        result.timed_out = True
     if result.failure is None:
-        last_failure: list[CaseResult] = []
-
-        @hypothesis_settings(prof, max_examples, database)
-        @given(cases(backend.envelope, budget))
-        def search(case: Case) -> None:
-            if deadline is not None and not last_failure and time.monotonic() > deadline:
-                raise _TimeUp()
-            r = record(case)
-            if prof.targeted and r.stats is not None:
-                target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
-            if r.verdict == "fail":
-                last_failure.append(r)
-                raise _CaseFailed(r.reason)
-
-        # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
-        # so runners sharing a database replay each other's failures for that backend.
-        search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()
-        if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
-            search = hypothesis_seed(seed)(search)
-        try:
-            search()
-        except _CaseFailed:
-            shrunk = last_failure[-1]  # Hypothesis replays the minimal example last
-            result.failure = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic)
-            if result.failure.verdict != "fail":  # flaky: keep what was seen, say so
-                shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
-                result.failure = shrunk
-        except _TimeUp:
-            result.timed_out = True
+        result.failure = corner_failure
+    elif corner_failure is not None and not result.failure.diagnosis and corner_failure.diagnosis:
+        # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
+        result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
+                                    for d in corner_failure.diagnosis]
     result.seconds = time.monotonic() - started
     return result
