@@ -35,7 +35,7 @@ from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
 from .platform import flashinfer_version
-from .reference import reference_decode
+from .harness import judge_reference
 
 SCHEMA = "mla-verify-bench/1"
 # Default gate: 10% slower. Two runs of the same grid must agree within 5% per case (issue 7's acceptance),
@@ -288,7 +288,7 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
         return rows
     n_sets = rotation_sets(base["bytes"], l2)
     problems = [build_problem(case.spec(seed, i), device) for i in range(n_sets)]
-    ref, ref_s = timer.once(lambda: reference_decode(problems[0], precision=torch.float32)) if reference \
+    ref, ref_s = timer.once(lambda: judge_reference(problems[0])) if reference \
         else (None, None)
     for b, layout in runnable:
         row = CaseResult(b.name, case.key, status="ok", sets=n_sets, **base,
@@ -334,7 +334,7 @@ def _meta(device: torch.device, grid: Sequence[BenchCase], backends: list[str], 
         "copy_gbps": None if copy_bps is None else copy_bps / 1e9,
         "timer": {"class": type(timer).__name__, "samples": getattr(timer, "samples", None),
                   "min_block_s": getattr(timer, "min_block_s", None), "rotate_factor": ROTATE_FACTOR},
-        "reference": "float32 reference_decode, one wall-clock run per case" if reference else "skipped",
+        "reference": "the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs), one wall-clock run per case" if reference else "skipped",
         "formulas": FORMULAS,
         "grid": [asdict(c) for c in grid],
     }

@@ -107,8 +107,7 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
             _check_repeatable(backend, problem, layout, out, lse, failures, transform=transform, seed=spec.seed)
     if failures:
         result.verdict, result.reason, result.problem = "fail", failures[0], problem
-        if diagnose and result.out is not None and result.out.shape == (problem.batch, problem.q_len,
-                                                                         problem.num_heads, problem.dims.kv_lora_rank):
+        if diagnose and result.out is not None and result.out.shape == problem.out_shape:
             result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref)
     result.seconds = time.perf_counter() - started
     return result
@@ -123,9 +122,8 @@ def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
         failures.append(f"preparing the call raised {_exc_line(exc)}")
         return None
     snapshot = {name: t.detach().clone() for name, t in prepared.inputs.items()}
-    expected_shape = (problem.batch, problem.q_len, problem.num_heads, problem.dims.kv_lora_rank)
     try:
-        raw = _invoke(prepared, expected_shape, problem.device)
+        raw = _invoke(prepared, problem.out_shape, problem.device)
     except torch.OutOfMemoryError:
         raise  # judged as the shared GPU's state, in run_case
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
@@ -150,7 +148,7 @@ def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
     if not isinstance(out, torch.Tensor):
         failures.append(f"kernel returned {type(out).__name__}, not a tensor")
         return None
-    judged, _ = prepared.judged(raw)  # output_scale, if any, applied in float64
+    judged = prepared.scaled(out)  # output_scale, if any, applied in float64
     return (judged.clone() if judged is out else judged), (None if lse is None else lse.clone())
 
 

@@ -53,6 +53,11 @@ class DecodeProblem:
         return self.kv_cache.shape[0]
 
     @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """[B, q_len, H, kv_lora_rank]: the canonical output."""
+        return (self.batch, self.q_len, self.num_heads, self.dims.kv_lora_rank)
+
+    @property
     def device(self) -> torch.device:
         return self.query.device
 

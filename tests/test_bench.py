@@ -11,7 +11,7 @@ import torch
 
 from mla_verify import bench
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
-from mla_verify.bench import BenchCase, BenchResult, bench_main, case_bytes, case_flops, compare_results, run_bench
+from mla_verify.bench import BenchCase, BenchResult, bench_main, compare_results, run_bench
 from mla_verify.bench_timing import WallClockTimer
 from mla_verify.dims import MLADims
 from mla_verify.generate import ProblemSpec, build_problem

@@ -6,9 +6,8 @@ harness calls ``PreparedCall.invoke`` and maps the result to canonical form with
 """
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -18,7 +17,6 @@ from ..layouts import LayoutSpec
 from ..problem import DecodeProblem
 
 LSE_BASE_2 = 2.0
-LSE_BASE_E = math.e
 
 
 @dataclass(frozen=True)
@@ -80,14 +78,17 @@ class PreparedCall:
     out: torch.Tensor | None  # the buffer handed to the kernel (None: the kernel allocates)
     to_canonical: Callable[[Any], tuple[torch.Tensor, torch.Tensor | None]]
     # kernel result -> (out [B, q_len, H, L], lse in the backend's base [B, q_len, H] or None)
-    extra: dict[str, Any] = field(default_factory=dict)
     output_scale: float = 1.0  # a bmm2 the kernel cannot take: the harness applies it, in float64, to judge
     # the output (doing it in bf16 after the kernel would add a rounding the kernel did not make)
 
     def judged(self, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output to compare with the reference: canonical, with ``output_scale`` applied in float64."""
         out, lse = self.to_canonical(result)
-        return (out if self.output_scale == 1.0 else out.to(torch.float64) * self.output_scale), lse
+        return self.scaled(out), lse
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A canonical output with ``output_scale`` applied (in float64; unchanged when it is 1)."""
+        return out if self.output_scale == 1.0 else out.to(torch.float64) * self.output_scale
 
 
 class Backend(ABC):

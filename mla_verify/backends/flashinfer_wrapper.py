@@ -147,8 +147,7 @@ class FlashInferWrapperBackend(Backend):
         inputs = {"q_nope": q_nope, "q_pe": q_pe, "kv_pool": a.pool, "qo_indptr": a.qo_indptr,
                   "kv_indptr": a.kv_indptr, "kv_indices": a.kv_indices, "kv_len_arr": a.kv_len_arr}
         # no output scale on these paths: bmm2 is applied to the kernel's output when it is judged
-        return PreparedCall(invoke, inputs, out, to_canonical, extra={"args": a, "wrapper": wrapper},
-                            output_scale=float(p.bmm2_scale))
+        return PreparedCall(invoke, inputs, out, to_canonical, output_scale=float(p.bmm2_scale))
 
 
 _FA_COMMON = dict(devices=("cuda",), page_sizes=None, dims=((512, 64), (256, 64)), heads=None, max_heads=128,

@@ -87,4 +87,4 @@ class TrtllmStyleBackend(Backend):
             return result, None
 
         inputs = {"query": a.query, "kv_pool": a.pool, "block_tables": a.block_tables, "seq_lens": a.seq_lens}
-        return PreparedCall(invoke, inputs, out, to_canonical, extra={"args": a})
+        return PreparedCall(invoke, inputs, out, to_canonical)
