@@ -47,6 +47,8 @@ def _close_to_reference(spec: ProblemSpec, layout: LayoutSpec, **kwargs) -> None
     ref = reference_decode(problem)
     assert got is out and lse.shape == (spec.batch * spec.q_len, spec.num_heads) and lse.dtype == torch.float32
     err = (got.double() - ref.out).abs()
+    # 2^-8 relative: the bf16 output's rounding (half an ulp is 2^-9); 1e-4 of the largest value: fp32 sums over
+    # up to ~600 tokens and the split merge (~1e-6 measured), while the mutants move outputs by > 1e-2
     allowed = 2.0 ** -8 * ref.out.abs() + 1e-4 * float(ref.out.abs().max())
     assert bool((err <= allowed).all()), f"max err {float(err.max()):.3g}"
     lse_err = (lse.double().view_as(ref.lse) - ref.lse_base2).abs().max()

@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from mla_verify.generate import ProblemSpec
 from mla_verify.dims import (DEEPSEEK_V3, MLA_256, PRESETS, R1_SOFTMAX_SCALE, R1_YARN_FACTOR, MLADims,
                              softmax_scale, yarn_mscale)
 
@@ -22,10 +23,13 @@ def test_r1_yarn_scale_matches_the_published_formula() -> None:
     assert abs(R1_SOFTMAX_SCALE - 0.1352) < 5e-5  # the rounded value quoted in the issue and MLA_NOTES
 
 
-@pytest.mark.parametrize("factor,mscale_all_dim", [(40.0, 1.0), (40.0, 0.707), (4.0, 1.0)])
-def test_yarn_mscale_formula(factor: float, mscale_all_dim: float) -> None:
-    assert yarn_mscale(factor, mscale_all_dim) == pytest.approx(0.1 * math.log(factor) * mscale_all_dim + 1,
-                                                                rel=1e-15)
+# 0.1 * ln(factor) * mscale_all_dim + 1, evaluated independently (ln 40 = 3.6888794541139363,
+# ln 4 = 1.3862943611198906); 1e-15: a few float64 ulps of reordering
+@pytest.mark.parametrize("factor,mscale_all_dim,expected", [(40.0, 1.0, 1.3688879454113936),
+                                                            (40.0, 0.707, 1.2608037774058554),
+                                                            (4.0, 1.0, 1.1386294361119891)])
+def test_yarn_mscale_values(factor: float, mscale_all_dim: float, expected: float) -> None:
+    assert yarn_mscale(factor, mscale_all_dim) == pytest.approx(expected, rel=1e-15)
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.5])
@@ -60,3 +64,10 @@ def test_with_heads_returns_a_new_value() -> None:
     split = DEEPSEEK_V3.with_heads(16)
     assert split.num_heads == 16 and DEEPSEEK_V3.num_heads == 128
     assert softmax_scale(split) == softmax_scale(DEEPSEEK_V3)  # TP does not change the scale
+
+
+def test_fp8_scales_compose_into_bmm1_and_bmm2() -> None:
+    # bmm1 = q_scale * k_scale * softmax scale; bmm2 = k_scale (one latent row is K and V) * any output scale
+    spec = ProblemSpec((5,), q_scale=0.5, k_scale=2.0, bmm2_extra=1.5, dtype="fp8")
+    assert spec.bmm1_scale == pytest.approx(0.07216878364870323, rel=1e-15)  # 0.5 * 2 / sqrt(192)
+    assert spec.bmm2_scale == 3.0  # 2.0 * 1.5, exact in binary

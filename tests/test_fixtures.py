@@ -12,6 +12,7 @@ from mla_verify.errors import FixtureError, UsageError
 from mla_verify.fixtures import fixture_paths, load_fixture, save_fixture
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import LayoutSpec
+from oracles import same_bits
 
 SPECS = {
     "bf16": ProblemSpec(seq_lens=(5, 17), q_len=2, num_heads=3, page_size=16, extra_pages=2, table_pad=1, seed=3),
@@ -19,11 +20,6 @@ SPECS = {
                        k_scale=2.0, seed=4),
 }
 LAYOUT = LayoutSpec(cache_dims=4, page_stride_pad=3, table_width="pad128", pass_out=False)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor (NaN-safe exact comparison)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _save(tmp_path, kind="bf16", name="case"):
@@ -46,9 +42,9 @@ def test_round_trip_is_bit_exact(tmp_path, kind):
     for name in fixtures.PROBLEM_TENSORS:
         got, want = getattr(fx.problem, name), getattr(problem, name)
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(_bits(got), _bits(want)), name
+        assert same_bits(got, want), name
     for name, want in extra.items():
-        assert fx.tensors[name].dtype == want.dtype and torch.equal(_bits(fx.tensors[name]), _bits(want))
+        assert same_bits(fx.tensors[name], want)
     assert fx.spec == SPECS[kind] and fx.layout == LAYOUT
     assert (fx.problem.dims, fx.problem.bmm1_scale, fx.problem.bmm2_scale, fx.problem.max_seq_len) == (
         problem.dims, problem.bmm1_scale, problem.bmm2_scale, problem.max_seq_len)

@@ -10,6 +10,7 @@ from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import (LayoutSpec, canonical_cache, csr_to_block_table, padded_width, strided_pool,
                                 trtllm_args, wrapper_args)
 from mla_verify.problem import DecodeProblem
+from oracles import same_bits
 
 # lengths cover a single token, a partial last page, an exact page multiple and several pages
 SPEC = ProblemSpec(seq_lens=(1, 17, 32, 70), q_len=1, num_heads=4, page_size=16, extra_pages=3, table_pad=1,
@@ -19,10 +20,6 @@ SPEC = ProblemSpec(seq_lens=(1, 17, 32, 70), q_len=1, num_heads=4, page_size=16,
 @pytest.fixture(params=[16, 32, 1], ids=lambda p: f"page{p}")
 def problem(request: pytest.FixtureRequest) -> DecodeProblem:
     return build_problem(replace(SPEC, page_size=request.param))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN-safe
 
 
 def test_default_layout_is_the_canonical_vllm_cache_itself(problem: DecodeProblem) -> None:
@@ -36,7 +33,7 @@ def test_4d_cache_is_a_view_that_round_trips(problem: DecodeProblem) -> None:
     P, page, D = problem.kv_cache.shape
     assert a.kv_cache.shape == (P, 1, page, D)
     assert a.kv_cache.data_ptr() == problem.kv_cache.data_ptr()
-    assert _same_bits(canonical_cache(a.kv_cache), problem.kv_cache)
+    assert same_bits(canonical_cache(a.kv_cache), problem.kv_cache)
     assert canonical_cache(problem.kv_cache) is problem.kv_cache
 
 
@@ -54,7 +51,7 @@ def test_page_strided_view_equals_canonical_and_lives_in_a_larger_nan_pool(probl
     view = canonical_cache(a.kv_cache)
     assert not view.is_contiguous() and view.stride(0) == (page + pad) * D
     assert a.pool.shape == (P, page + pad, D) and view.data_ptr() == a.pool.data_ptr()
-    assert _same_bits(view, problem.kv_cache)
+    assert same_bits(view, problem.kv_cache)
     assert bool(torch.isnan(a.pool[:, page:].float()).all())  # the gaps are poison
 
 
@@ -103,11 +100,11 @@ def test_split_query_and_cache_are_views_of_one_storage(problem: DecodeProblem, 
     assert w.ckv.data_ptr() == w.pool.data_ptr()
     assert w.kpe.data_ptr() == w.ckv.data_ptr() + L * itemsize
     assert w.ckv.stride() == w.kpe.stride()
-    assert _same_bits(torch.cat([w.ckv, w.kpe], dim=-1), problem.kv_cache)
+    assert same_bits(torch.cat([w.ckv, w.kpe], dim=-1), problem.kv_cache)
     q = problem.query
     assert w.q_nope.data_ptr() == q.data_ptr() and w.q_pe.data_ptr() == q.data_ptr() + L * q.element_size()
     rows = q.reshape(problem.batch * problem.q_len, problem.num_heads, -1)
-    assert _same_bits(torch.cat([w.q_nope, w.q_pe], dim=-1), rows)
+    assert same_bits(torch.cat([w.q_nope, w.q_pe], dim=-1), rows)
 
 
 def test_multi_token_queries_get_q_len_rows_per_request() -> None:

@@ -108,6 +108,7 @@ def test_value_distributions_and_yarn_scale(values: str) -> None:
 def test_lse_bases_are_consistent_and_distinct() -> None:
     # base-2 LSE = base-e LSE / ln 2: confusing them is off by ~40%, far outside any tolerance
     ref = reference_decode(build_problem(boundary_spec(512, 32, 1)))
+    # rtol 1e-12: exp of a float64 LSE of size ~10 is off by ~10 * 2^-52 relative
     assert torch.allclose(torch.exp2(ref.lse_base2), torch.exp(ref.lse), rtol=1e-12, atol=0)
     assert float((ref.lse_base2 - ref.lse).abs().min()) > 0.1
 
@@ -167,7 +168,7 @@ def test_checks_have_teeth(misreading: str) -> None:
     wrong = MISREADINGS[misreading]
     spec = boundary_spec(512, 16, 2)
     p, q_nope, w_uk, w_uv = absorbed_problem(dataclasses.replace(spec, dtype="fp64"))
-    assert 1 / math.sqrt(192) == pytest.approx(p.bmm1_scale)  # the right scale, which the mutant replaces
+    assert 1 / math.sqrt(192) == pytest.approx(p.bmm1_scale, rel=1e-15)  # the right scale, which the mutant replaces
     # each misreading moves results by > 1e-4, six orders of magnitude above the tolerance the checks use
     assert unabsorbed_error(p, q_nope, w_uk, w_uv, reference_problem=wrong(p)) > F64_TOL * 1e6
     assert max(naive_errors(reference_decode(wrong(p)), p)) > F64_TOL * 1e6
