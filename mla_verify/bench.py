@@ -35,6 +35,7 @@ from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
 from .platform import flashinfer_version
+from .fixtures import check_writable_dir
 from .harness import judge_reference
 
 SCHEMA = "mla-verify-bench/1"
@@ -443,6 +444,9 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
             raise UsageError(f"--threshold must be > 0, got {ns.threshold}")
         if ns.samples is not None and ns.samples < 1:
             raise UsageError(f"--samples must be >= 1, got {ns.samples}")
+        if ns.out is not None:  # fail before timing anything, not after
+            ns.out.mkdir(parents=True, exist_ok=True)
+            check_writable_dir(ns.out, "--out")
         baseline = BenchResult.load(ns.compare) if ns.compare else None
         result = BenchResult.load(ns.result) if ns.result else _run_from_options(ns, resolve or resolve_backends, timer)
         if ns.out is not None:
@@ -451,7 +455,7 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
         if baseline is None:
             return 0
         comparison = compare_results(result, baseline, ns.threshold)
-    except MLAVerifyError as e:
+    except (MLAVerifyError, OSError) as e:
         print(f"mla-verify bench: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     report = comparison.report()

@@ -136,8 +136,6 @@ class CudaTimer:
 class WallClockTimer:
     """CPU backends timed with a host clock (``clock`` is injectable: tests pass a fake one)."""
 
-    method = WALL
-
     def __init__(self, clock: Callable[[], float] = time.perf_counter, samples: int = 5):
         self.clock = clock
         self.samples = samples

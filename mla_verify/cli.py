@@ -80,7 +80,7 @@ def parse_device(text: str) -> torch.device:
 
 # ---------------------------------------------------------------- the parser
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import add_bench_arguments
+    from .bench import add_bench_arguments, bench_command
     from .profiles import PROFILES
 
     parser = _Parser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="latency, bandwidth and roofline of every runnable backend")
     add_bench_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
+    bench.set_defaults(func=bench_command)
     return parser
 
 
@@ -371,7 +371,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     for d in result.diagnosis:
         print(f"  diagnosis: {d}")
     _print_bit_comparison(fx, result, backend.name, recorded, device)
-    print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {fx.meta['verdict'].upper()})"
+    print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {str(fx.meta['verdict']).upper()})"
                                                   if fx.meta.get("verdict") else ""))
     return EXIT_DISCREPANCY if result.verdict == "fail" else EXIT_OK
 
@@ -394,7 +394,7 @@ def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | No
         pairs.append((fx.tensors["kernel_lse"], result.lse))
     same = all(same_bits(stored, got.detach().cpu()) for stored, got in pairs)
     source = fx.meta.get("source_device", "cpu")
-    where = "" if torch.device(source).type == device.type else \
+    where = "" if str(source).split(":")[0] == device.type else \
         f" (recorded on {source}: bit identity is not expected across device types)"
     what = "output and LSE" if len(pairs) == 2 else "output"
     print(f"  kernel {what}: {'bit-identical to' if same else 'differ from'} the recorded run{where}")
@@ -411,7 +411,11 @@ def cmd_report(ns: argparse.Namespace) -> int:
     from .report import load_report, render
 
     path = Path(ns.json)
-    for p in render(load_report(path), path):
+    try:
+        written = render(load_report(path), path)
+    except (KeyError, TypeError, ValueError) as e:  # a case without spec/backend/verdict, or of the wrong type
+        raise UsageError(f"{path}: malformed report ({type(e).__name__}: {e})") from None
+    for p in written:
         print(p)
     return EXIT_OK
 
@@ -474,12 +478,6 @@ def envelope_summary(env: Any) -> str:
             f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}; "
             f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
             f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
-
-
-def _cmd_bench(ns: argparse.Namespace) -> int:
-    from .bench import bench_command
-
-    return bench_command(ns)
 
 
 if __name__ == "__main__":

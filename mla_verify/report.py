@@ -55,7 +55,10 @@ def check_report_path(value: str) -> Path:
 
 def write_report(path: Path, report: dict[str, Any]) -> list[Path]:
     """Write the JSON record and render the rest beside it; returns every path written."""
-    path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    try:
+        path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    except OSError as e:  # checked writable before the run; a full disk or lost permission since
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
     return [path] + render(report, path)
 
 

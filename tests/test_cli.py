@@ -235,3 +235,12 @@ def test_fuzz_runs_share_failures_through_the_database(capsys, tmp_path):
     minimal = runs[0]["backends"][0]["failure"]["id"]
     assert runs[0]["cases"][0]["id"] != minimal  # run 1 had to search for it
     assert runs[1]["cases"][0]["id"] == minimal  # run 2 starts from it
+
+
+def test_malformed_report_to_render_exits_2(capsys, tmp_path):
+    """Ours by its header, but a case lacks its spec: one line, not a KeyError traceback."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"format": "mla-verify-report", "cases": [{"id": "x", "verdict": "pass"}]}))
+    code, out, err = run_main(capsys, "report", str(path))
+    _check_usage_error(code, out, err)
+    assert "malformed report" in err
