@@ -34,8 +34,7 @@ from .cli import parse_device
 from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
-from .platform import flashinfer_version
-from .fixtures import check_writable_dir
+from .fixtures import check_writable_dir, library_versions
 from .harness import judge_reference
 
 SCHEMA = "mla-verify-bench/1"
@@ -329,13 +328,13 @@ def _meta(device: torch.device, grid: Sequence[BenchCase], backends: list[str], 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (pyplatform.processor() or "cpu")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": str(device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "flashinfer": flashinfer_version(), "python": pyplatform.python_version(), "backends": backends,
+        "device": str(device), "device_name": name, **library_versions(), "backends": backends,
         "seed": seed, "l2_bytes": l2,
         "copy_gbps": None if copy_bps is None else copy_bps / 1e9,
         "timer": {"class": type(timer).__name__, "samples": getattr(timer, "samples", None),
                   "min_block_s": getattr(timer, "min_block_s", None), "rotate_factor": ROTATE_FACTOR},
-        "reference": "the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs), one wall-clock run per case" if reference else "skipped",
+        "reference": ("the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs), one "
+                      "wall-clock run per case") if reference else "skipped",
         "formulas": FORMULAS,
         "grid": [asdict(c) for c in grid],
     }
