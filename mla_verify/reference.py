@@ -25,6 +25,12 @@ LN2 = math.log(2.0)
 DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps; the default is 2x the cache bytes read
 MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
+# A group ends where the next sequence is shorter than this fraction of the group's longest, so padding stays
+# under 30% of a group's rows (~15% for evenly spread lengths; one padded group for uniform lengths in
+# [1, 4096] was 1.6x the tokens) -- unless the group is still under MIN_GROUP_ROWS gathered rows: a group
+# costs ~25 launches (~0.3 ms of host time measured on the H200's host), more than that much padding costs.
+GROUP_LENGTH_RATIO = 0.7
+MIN_GROUP_ROWS = 1 << 18
 
 
 @dataclass
@@ -59,30 +65,55 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     if split and (p.query.dtype not in EXACT_IN_BF16 or p.kv_cache.dtype not in EXACT_IN_BF16):
         raise ValueError("matmul='bf16-split' needs bf16 or fp8 query and cache (exact in bf16)")
     precision = torch.float32 if split else precision
+    operand = torch.bfloat16 if split else precision
     L = p.dims.kv_lora_rank
     B, Q, H, D = p.query.shape
     page = p.page_size
     itemsize = torch.empty((), dtype=precision).element_size()
-    in_itemsize = p.kv_cache.element_size()
-    if chunk_bytes is None:
-        chunk_bytes = _default_chunk_bytes(p)
-    # per gathered token: the gathered row, its converted copy (exact mode), and scores, probabilities and
-    # their temporaries for every (query token, head)
-    bytes_per_token = D * in_itemsize + (0 if split else D * itemsize) + 4 * Q * H * itemsize
-    out = torch.empty((B, Q, H, L), dtype=precision, device=p.device)
-    lse = torch.empty((B, Q, H), dtype=precision, device=p.device)
+    # the only host read: the lengths decide the groups. Everything after is queued without waiting on the GPU.
     lens = p.seq_lens.tolist()
     order = sorted(range(B), key=lambda i: -lens[i])
-    start = 0
+    if chunk_bytes is None:
+        chunk_bytes = _default_chunk_bytes(p, sum(lens))
+    # per gathered token: the gathered row, its converted copy (exact mode), and scores, probabilities and
+    # their temporaries for every (query token, head)
+    bytes_per_token = D * p.kv_cache.element_size() + (0 if split else D * itemsize) + 4 * Q * H * itemsize
+    # the problem in length order, once: each group is then a slice of it, not an indexing op per group
+    longest_first = torch.tensor(order, device=p.device)
+    seq_lens = p.seq_lens[longest_first]
+    tables = p.block_table[longest_first]
+    queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
+    positions = torch.arange(max(page, -(-lens[order[0]] // page) * page), device=p.device)
+    hidden_from = seq_lens[:, None] - Q + 1 + torch.arange(Q, device=p.device)  # token i sees positions below
+    out = torch.empty((B, Q * H, L), dtype=precision, device=p.device)
+    lse = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
     with _no_tf32():
-        while start < B:
-            tokens = -(-lens[order[start]] // page) * page  # the group's longest length, whole pages
-            count = max(1, min(B - start, chunk_bytes // (tokens * bytes_per_token)))
-            idx = torch.tensor(order[start:start + count], device=p.device)
-            o, s = _group(p, idx, tokens // page, precision, p_dtype, split)
-            out[idx], lse[idx] = o, s
-            start += count
-    return ReferenceResult(out, lse)
+        for start, stop, tokens in _groups([lens[i] for i in order], page, bytes_per_token, chunk_bytes):
+            group = slice(start, stop)
+            kv = _gather_rows(p, tables[group, :tokens // page], seq_lens[group], positions).to(operand)
+            # positions before the group's shortest sequence's first causal limit are visible to every token
+            first_hidden = max(0, lens[order[stop - 1]] - Q + 1)
+            _attend(p, queries[group], kv, hidden_from[group], positions[first_hidden:tokens], p_dtype, split,
+                    out[group], lse[group])
+
+    def unsorted(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x).index_copy_(0, longest_first, x)
+    return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H))
+
+
+def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
+    """(start, stop, tokens) per group of the longest-first ``lens``: ``tokens`` is the group's longest length
+    in whole pages; a group fits ``chunk_bytes`` and keeps to GROUP_LENGTH_RATIO of its longest."""
+    start = 0
+    while start < len(lens):
+        tokens = -(-lens[start] // page) * page
+        fits = max(1, chunk_bytes // (tokens * bytes_per_token))
+        stop = start + 1
+        while stop < len(lens) and stop - start < fits and (
+                lens[stop] >= GROUP_LENGTH_RATIO * tokens or (stop - start) * tokens < MIN_GROUP_ROWS):
+            stop += 1
+        yield start, stop, tokens
+        start = stop
 
 
 def fast_matmul_mode(problem: DecodeProblem) -> str:
@@ -91,73 +122,78 @@ def fast_matmul_mode(problem: DecodeProblem) -> str:
     return "bf16-split" if exact else "exact"
 
 
-def _default_chunk_bytes(p: DecodeProblem) -> int:
+def _default_chunk_bytes(p: DecodeProblem, tokens: int) -> int:
     """Work memory per chunk: twice the cache bytes the problem reads, within [64 MiB, cap]."""
-    cache_bytes = int(p.seq_lens.sum()) * p.kv_cache.shape[-1] * p.kv_cache.element_size()
+    cache_bytes = tokens * p.kv_cache.shape[-1] * p.kv_cache.element_size()
     cap = DEFAULT_CHUNK_BYTES["cuda" if p.device.type == "cuda" else "cpu"]
     return max(64 << 20, min(cap, 2 * cache_bytes))
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
-    """a @ b; in split mode bf16 operands with fp32 accumulation and an fp32 result."""
-    if not split:
-        return torch.bmm(a, b)
+def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0) -> torch.Tensor:
+    """alpha * (a @ b); in split mode bf16 operands with fp32 accumulation and an fp32 result. On CUDA alpha
+    rides in the product's epilogue instead of costing a pass over the scores."""
     if a.is_cuda:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # an older PyTorch: same numbers, slower
+        dtype = torch.float32 if split else a.dtype
+        out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype, device=a.device)
+        try:  # beta=0 with out= its own input: the uninitialised buffer is neither read nor copied
+            return torch.baddbmm(out, a, b, beta=0, alpha=alpha, out=out, **({"out_dtype": dtype} if split else {}))
+        except (RuntimeError, TypeError):  # an older PyTorch without out_dtype: same numbers, slower
             pass
-    return torch.bmm(a.float(), b.float())
+    if split:
+        a, b = a.float(), b.float()
+    # CPU: bmm, whose results do not depend on the group's padded length (baddbmm's do, in the last bit)
+    out = torch.bmm(a, b)
+    return out if alpha == 1.0 else out.mul_(alpha)
 
 
-def _group(p: DecodeProblem, idx: torch.Tensor, npages: int, precision: torch.dtype,
-           p_dtype: torch.dtype | None, split: bool):
-    """Attention for the sequences ``idx``, all gathered to ``npages`` pages."""
-    L = p.dims.kv_lora_rank
-    Q, H, page = p.q_len, p.num_heads, p.page_size
-    lens = p.seq_lens[idx].long()
-    b = idx.numel()
-    T = npages * page
-    operand = torch.bfloat16 if split else precision
-    pos = torch.arange(T, device=p.device)
-    kv = _gather_rows(p, idx, lens, npages).to(operand)
-    q = p.query[idx].reshape(b, Q * H, -1).to(operand)
-    scores = _bmm(q, kv.transpose(1, 2), split).mul_(p.bmm1_scale).view(b, Q, H, T)
-    last_visible = lens[:, None] - Q + torch.arange(Q, device=p.device)[None, :]  # [b, Q]: causal limit
-    hidden = pos[None, None, :] > last_visible[:, :, None]
-    scores.masked_fill_(hidden[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    values = kv[..., :L]
+def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden_from: torch.Tensor, tail: torch.Tensor,
+            p_dtype: torch.dtype | None, split: bool, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Exact attention of one group: q [b, Q*H, D] over kv [b, T, D]; writes out [b, Q*H, L], lse [b, Q*H, 1].
+
+    ``hidden_from`` [b, Q]: the first position each query token must not see; ``tail``: the positions that
+    may be hidden for some token of the group (the rest are visible to all)."""
+    b, rows, _ = q.shape
+    T = kv.shape[1]
+    scores = _bmm(q, kv.transpose(1, 2), split, alpha=p.bmm1_scale)
+    hidden = tail >= hidden_from[:, :, None]  # [b, Q, len(tail)]
+    scores.view(b, p.q_len, -1, T)[..., T - tail.numel():].masked_fill_(hidden[:, :, None, :], float("-inf"))
+    top, at = scores.max(-1, keepdim=True)
+    values = kv[..., :p.dims.kv_lora_rank]
     if p_dtype is None:
-        probs = torch.softmax(scores, dim=-1).view(b, Q * H, T)
-        if split:  # probs = hi + lo in bf16 to 2^-17, both halves in one product
-            both = torch.empty((b, 2 * Q * H, T), dtype=torch.bfloat16, device=p.device)
-            both[:, :Q * H] = probs
-            both[:, Q * H:] = probs.sub_(both[:, :Q * H])
-            halves = _bmm(both, values, split)
-            out = halves[:, :Q * H] + halves[:, Q * H:]
-        else:
-            out = torch.bmm(probs, values)
+        probs = torch.softmax(scores, dim=-1)
+        torch.sub(top, probs.gather(-1, at).log_(), out=lse)  # the top score's probability is exp(0) / sum
+        product = _probs_times_values(probs, values, split)
     else:
-        unnormalized = torch.exp(scores - scores.amax(-1, keepdim=True))
-        denominator = unnormalized.sum(-1).view(b, Q * H, 1)
-        rounded = unnormalized.to(p_dtype).to(operand).view(b, Q * H, T)
-        out = _bmm(rounded, values, split) / denominator
-    return out.mul_(p.bmm2_scale).view(b, Q, H, L), lse
+        unnormalized = scores.sub_(top).exp_()
+        denominator = unnormalized.sum(-1, keepdim=True)
+        torch.add(top, denominator.log(), out=lse)
+        rounded = unnormalized.to(p_dtype).to(values.dtype)
+        product = _bmm(rounded, values, split).div_(denominator)
+    torch.mul(product, p.bmm2_scale, out=out)
 
 
-def _gather_rows(p: DecodeProblem, idx: torch.Tensor, lens: torch.Tensor, npages: int) -> torch.Tensor:
-    """[b, npages * page, D] cache rows of the sequences ``idx``, in order. Positions past a sequence's end
-    read that sequence's first row instead: finite, and masked out of the scores, so a NaN-poisoned tail can
-    neither leak (0 * NaN) nor be followed through a padding entry of the block table."""
+def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool) -> torch.Tensor:
+    """probs @ values; in split mode probs = hi + lo in bf16 (to 2^-17), both halves in one product."""
+    if not split:
+        return torch.bmm(probs, values)
+    b, rows, T = probs.shape
+    both = torch.empty((b, 2 * rows, T), dtype=torch.bfloat16, device=probs.device)
+    hi, lo = both[:, :rows], both[:, rows:]
+    hi.copy_(probs)
+    torch.sub(probs, hi, out=lo)  # exact in fp32, rounded once to bf16
+    halves = _bmm(both, values, split)
+    return halves[:, :rows] + halves[:, rows:]
+
+
+def _gather_rows(p: DecodeProblem, table: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[b, T, D] cache rows of the sequences whose block-table rows are ``table`` [b, T / page], in order.
+    Positions past a sequence's end read that sequence's first row instead: finite, and masked out of the
+    scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry."""
     page = p.page_size
-    T = npages * page
-    pos = torch.arange(T, device=p.device)
-    pages = p.block_table[idx, :npages].long().gather(1, (pos // page).expand(idx.numel(), T))
-    rows = pages * page + pos % page
-    first = p.block_table[idx, :1].long() * page
-    rows = torch.where(pos[None, :] < lens[:, None], rows, first)
-    return p.kv_cache.flatten(0, 1)[rows.reshape(-1)].view(idx.numel(), T, -1)
+    b, T = table.shape[0], table.shape[1] * page
+    rows = (table.long()[:, :, None] * page + positions[:page]).view(b, T)
+    rows = torch.where(positions[:T] < lens[:, None], rows, rows[:, :1])
+    return p.kv_cache.flatten(0, 1)[rows.view(-1)].view(b, T, -1)
 
 
 @contextlib.contextmanager

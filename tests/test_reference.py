@@ -19,6 +19,7 @@ from oracles import naive_decode, row_rel_err, sdpa_decode
 from mla_verify.dims import R1_SOFTMAX_SCALE
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.problem import DecodeProblem
+from mla_verify import reference
 from mla_verify.reference import ReferenceResult, reference_decode
 from mla_verify.selfcheck import absorbed_problem, unabsorbed_error
 
@@ -127,6 +128,20 @@ def test_chunking_does_not_change_a_bit(chunk_bytes: int, dtype: str) -> None:
     whole, chunked = reference_decode(p), reference_decode(p, chunk_bytes=chunk_bytes)
     assert torch.equal(whole.out, chunked.out)
     assert torch.equal(whole.lse, chunked.lse)
+
+
+def test_length_groups_do_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # without the small-group floor the 70%-of-the-longest rule cuts these lengths into several groups, each
+    # padded to its own longest; padding adds exact zeros, so the bits must not move (CPU, as above)
+    spec = ProblemSpec(seq_lens=(900, 2, 300, 640, 65, 129, 3, 200), q_len=2, num_heads=4, page_size=16, seed=9)
+    p = build_problem(spec)
+    whole = reference_decode(p)
+    monkeypatch.setattr(reference, "MIN_GROUP_ROWS", 0)
+    lens = sorted(spec.seq_lens, reverse=True)
+    assert len(list(reference._groups(lens, 16, 1, 1 << 40))) >= 5  # 900 640 | 300 | 200 | 129 | 65 | 3 | 2
+    grouped = reference_decode(p)
+    assert torch.equal(whole.out, grouped.out)
+    assert torch.equal(whole.lse, grouped.lse)
 
 
 @pytest.mark.parametrize("seq_len", [1, 100, 4096, 16384])

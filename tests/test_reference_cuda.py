@@ -1,0 +1,73 @@
+"""The reference on a CUDA GPU equals the reference on the CPU (which tests/test_reference.py proves).
+
+The CUDA path differs from the CPU one: cuBLAS products with the scale in their epilogue (``baddbmm`` alpha),
+fp32-accumulated bf16 products and split probabilities in the fast mode. None of that runs in CPU CI, so it is
+checked here, on the boundary problems of the CPU checks: ragged lengths 1, page-1, page, page+1, q_len 1-4,
+page sizes 1-64, both dim presets, fp8 with scales, NaN in every unused cache slot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from oracles import row_rel_err
+from test_reference import boundary_spec
+
+from mla_verify.generate import build_problem
+from mla_verify.problem import DecodeProblem
+from mla_verify.reference import reference_decode
+
+pytestmark = pytest.mark.gpu
+
+CASES = [(rank, page, q_len, dtype) for rank, page, q_len, dtype in
+         itertools.product((512, 256), (1, 16, 64), (1, 4), ("bf16", "fp8"))]
+IDS = [f"L{r}-page{p}-q{q}-{d}" for r, p, q, d in CASES]
+
+# float64 on both sides, summed in different orders (cuBLAS vs the CPU BLAS): ~1e-15; a real mistake moves
+# results by > 1e-3 (tests/test_reference.py)
+F64_TOL = 1e-10
+# fast mode: exact bf16/fp8 products summed in fp32 (~sqrt(576) * 2^-24 on a score, <1e-6 on a probability
+# after exp) and probabilities split into hi + lo bf16 (2^-17 ~ 7.6e-6 relative each, at worst all aligned on
+# a row): 3e-5 bounds both with 3x room, and is still ~70x under a bf16 kernel's error (~2e-3)
+FAST_ROW_TOL = 3e-5
+# fp32 LSE of magnitude m is held to ~m * 2^-24 plus the score error: relative once |lse| > 1
+FAST_LSE_TOL = 1e-5
+
+
+def _on(p: DecodeProblem, device: torch.device) -> DecodeProblem:
+    return dataclasses.replace(p, query=p.query.to(device), kv_cache=p.kv_cache.to(device),
+                               block_table=p.block_table.to(device), seq_lens=p.seq_lens.to(device))
+
+
+@pytest.mark.parametrize("rank,page,q_len,dtype", CASES, ids=IDS)
+def test_cuda_reference_matches_the_cpu_reference(rank: int, page: int, q_len: int, dtype: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    extra = {"q_scale": 0.25, "k_scale": 3.0} if dtype == "fp8" else {}
+    p = build_problem(boundary_spec(rank, page, q_len, dtype=dtype, num_heads=16, values="outliers", **extra))
+    cpu = reference_decode(p)
+    gpu = _on(p, torch.device("cuda"))
+    exact = reference_decode(gpu)
+    assert row_rel_err(exact.out.cpu(), cpu.out) < F64_TOL
+    assert float((exact.lse.cpu() - cpu.lse).abs().max()) < F64_TOL
+    fast = reference_decode(gpu, torch.float32, matmul="bf16-split")
+    assert fast.out.dtype == torch.float32
+    assert row_rel_err(fast.out.cpu(), cpu.out) < FAST_ROW_TOL
+    lse_err = (fast.lse.cpu().double() - cpu.lse).abs() / cpu.lse.abs().clamp(min=1.0)
+    assert float(lse_err.max()) < FAST_LSE_TOL
+
+
+def test_cuda_reference_handles_long_ragged_groups() -> None:
+    # several groups (a small chunk), sequences past 16k tokens next to 1-token ones: the tail-only mask and the
+    # per-group gather must still give the CPU's answer
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    spec = dataclasses.replace(boundary_spec(512, 64, 2, num_heads=8), seq_lens=(17000, 2, 4097, 64, 65, 9000, 3))
+    p = build_problem(spec)
+    cpu = reference_decode(p, chunk_bytes=1 << 22)
+    gpu = _on(p, torch.device("cuda"))
+    for chunk in (None, 1 << 22):
+        fast = reference_decode(gpu, torch.float32, chunk_bytes=chunk, matmul="bf16-split")
+        assert row_rel_err(fast.out.cpu(), cpu.out) < FAST_ROW_TOL
