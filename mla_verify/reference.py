@@ -1,9 +1,10 @@
 """The reference: absorbed MLA decode over the paged latent cache, in high precision.
 
 Sequences are sorted by length and processed in groups, each gathered to its own longest length, so
-padding is small and peak memory is bounded by ``chunk_bytes`` (by default twice the cache bytes the problem
-reads, not B x max_seq_len). Each group is exact attention -- one softmax over the whole row, no split-KV
-merging -- so the reference stays simple.
+padding is small (a group keeps to 70% of its longest) and peak memory is bounded by ``chunk_bytes`` (by
+default twice the cache bytes the problem reads, not B x max_seq_len). Each group is exact attention -- one
+softmax over the whole row, no split-KV merging -- so the reference stays simple. On a GPU its time is mostly
+the host launching ~15 operations per group; the lengths are the only thing read back, once.
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
 products of bf16/fp8 inputs are exact and the accumulation error stays below ~4e-6 relative up to T = 16k
@@ -27,10 +28,11 @@ MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # A group ends where the next sequence is shorter than this fraction of the group's longest, so padding stays
 # under 30% of a group's rows (~15% for evenly spread lengths; one padded group for uniform lengths in
-# [1, 4096] was 1.6x the tokens) -- unless the group is still under MIN_GROUP_ROWS gathered rows: a group
-# costs ~25 launches (~0.3 ms of host time measured on the H200's host), more than that much padding costs.
+# [1, 4096] was 1.6x the tokens) -- unless the group still holds under MIN_GROUP_BYTES of work memory: a
+# group costs ~15 launches (~0.3 ms of host time measured on the H200's host), about what a GPU spends on
+# that much memory, so padding a small group is cheaper than another one.
 GROUP_LENGTH_RATIO = 0.7
-MIN_GROUP_ROWS = 1 << 18
+MIN_GROUP_BYTES = 384 << 20
 
 
 @dataclass
@@ -69,32 +71,38 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     L = p.dims.kv_lora_rank
     B, Q, H, D = p.query.shape
     page = p.page_size
-    itemsize = torch.empty((), dtype=precision).element_size()
+    itemsize = precision.itemsize
     # the only host read: the lengths decide the groups. Everything after is queued without waiting on the GPU.
-    lens = p.seq_lens.tolist()
-    order = sorted(range(B), key=lambda i: -lens[i])
+    lens = sorted(p.seq_lens.tolist(), reverse=True)
     if chunk_bytes is None:
         chunk_bytes = _default_chunk_bytes(p, sum(lens))
     # per gathered token: the gathered row, its converted copy (exact mode), and scores, probabilities and
     # their temporaries for every (query token, head)
     bytes_per_token = D * p.kv_cache.element_size() + (0 if split else D * itemsize) + 4 * Q * H * itemsize
     # the problem in length order, once: each group is then a slice of it, not an indexing op per group
-    longest_first = torch.tensor(order, device=p.device)
-    seq_lens = p.seq_lens[longest_first]
-    tables = p.block_table[longest_first]
+    # (host time per operation is what this loop spends most on a GPU, hence shapes made once, here)
+    seq_lens, longest_first = torch.sort(p.seq_lens, descending=True, stable=True)  # the order of ``lens``
+    seq_lens = seq_lens[:, None]
+    page_rows = p.block_table[longest_first].long() * page  # each page's first row in the flattened cache
     queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
-    positions = torch.arange(max(page, -(-lens[order[0]] // page) * page), device=p.device)
-    hidden_from = seq_lens[:, None] - Q + 1 + torch.arange(Q, device=p.device)  # token i sees positions below
+    positions = torch.arange(max(page, -(-lens[0] // page) * page), device=p.device)
+    # [B, Q, 1, 1]: the first position query token i must not see (it sees seq_len - Q + i and before)
+    hidden_from = (seq_lens + torch.arange(1 - Q, 1, device=p.device))[:, :, None, None]
+    # what each group writes: out without bmm2_scale, each row's top score and that score's share of the sum
+    # (exp(0) / sum); scale and lse are then applied to all groups at once
     out = torch.empty((B, Q * H, L), dtype=precision, device=p.device)
-    lse = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
+    top = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
+    top_share = torch.empty_like(top)
     with _no_tf32():
-        for start, stop, tokens in _groups([lens[i] for i in order], page, bytes_per_token, chunk_bytes):
+        for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
-            kv = _gather_rows(p, tables[group, :tokens // page], seq_lens[group], positions).to(operand)
+            kv = _gather_rows(p.kv_cache, page_rows[group, :tokens // page, None], seq_lens[group], positions)
             # positions before the group's shortest sequence's first causal limit are visible to every token
-            first_hidden = max(0, lens[order[stop - 1]] - Q + 1)
-            _attend(p, queries[group], kv, hidden_from[group], positions[first_hidden:tokens], p_dtype, split,
-                    out[group], lse[group])
+            first_hidden = max(0, lens[stop - 1] - Q + 1)
+            _attend(p, queries[group], kv.to(operand), hidden_from[group], positions[first_hidden:tokens], p_dtype,
+                    split, (out[group], top[group], top_share[group]))
+    lse = top.sub_(top_share.log_())
+    out.mul_(p.bmm2_scale)
 
     def unsorted(x: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x).index_copy_(0, longest_first, x)
@@ -110,7 +118,8 @@ def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
         fits = max(1, chunk_bytes // (tokens * bytes_per_token))
         stop = start + 1
         while stop < len(lens) and stop - start < fits and (
-                lens[stop] >= GROUP_LENGTH_RATIO * tokens or (stop - start) * tokens < MIN_GROUP_ROWS):
+                lens[stop] >= GROUP_LENGTH_RATIO * tokens
+                or (stop - start) * tokens * bytes_per_token < MIN_GROUP_BYTES):
             stop += 1
         yield start, stop, tokens
         start = stop
@@ -147,53 +156,58 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0) -> t
 
 
 def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden_from: torch.Tensor, tail: torch.Tensor,
-            p_dtype: torch.dtype | None, split: bool, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Exact attention of one group: q [b, Q*H, D] over kv [b, T, D]; writes out [b, Q*H, L], lse [b, Q*H, 1].
+            p_dtype: torch.dtype | None, split: bool, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Exact attention of one group, q [b, Q*H, D] over kv [b, T, D], written ``into`` (out [b, Q*H, L] without
+    bmm2_scale, each row's top score, that score's probability) -- no copies, each result lands in place.
 
-    ``hidden_from`` [b, Q]: the first position each query token must not see; ``tail``: the positions that
-    may be hidden for some token of the group (the rest are visible to all)."""
+    ``hidden_from`` [b, Q, 1, 1]: the first position each query token must not see; ``tail``: the positions
+    that may be hidden for some token of the group (the rest are visible to all)."""
+    out, top, top_share = into
     b, rows, _ = q.shape
     T = kv.shape[1]
     scores = _bmm(q, kv.transpose(1, 2), split, alpha=p.bmm1_scale)
-    hidden = tail >= hidden_from[:, :, None]  # [b, Q, len(tail)]
-    scores.view(b, p.q_len, -1, T)[..., T - tail.numel():].masked_fill_(hidden[:, :, None, :], float("-inf"))
-    top, at = scores.max(-1, keepdim=True)
+    hidden = tail >= hidden_from  # [b, Q, 1, len(tail)]
+    scores.view(b, p.q_len, -1, T)[..., T - tail.numel():].masked_fill_(hidden, float("-inf"))
+    at = torch.empty(top.shape, dtype=torch.long, device=q.device)
+    torch.max(scores, -1, keepdim=True, out=(top, at))
     values = kv[..., :p.dims.kv_lora_rank]
     if p_dtype is None:
         probs = torch.softmax(scores, dim=-1)
-        torch.sub(top, probs.gather(-1, at).log_(), out=lse)  # the top score's probability is exp(0) / sum
-        product = _probs_times_values(probs, values, split)
+        torch.gather(probs, -1, at, out=top_share)
+        _probs_times_values(probs, values, split, out)
     else:
         unnormalized = scores.sub_(top).exp_()
         denominator = unnormalized.sum(-1, keepdim=True)
-        torch.add(top, denominator.log(), out=lse)
+        torch.reciprocal(denominator, out=top_share)
         rounded = unnormalized.to(p_dtype).to(values.dtype)
-        product = _bmm(rounded, values, split).div_(denominator)
-    torch.mul(product, p.bmm2_scale, out=out)
+        torch.div(_bmm(rounded, values, split), denominator, out=out)
 
 
-def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool) -> torch.Tensor:
-    """probs @ values; in split mode probs = hi + lo in bf16 (to 2^-17), both halves in one product."""
+def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, out: torch.Tensor) -> None:
+    """out = probs @ values; in split mode probs = hi + lo in bf16 (to 2^-17), both halves in one product."""
     if not split:
-        return torch.bmm(probs, values)
+        torch.bmm(probs, values, out=out)
+        return
     b, rows, T = probs.shape
     both = torch.empty((b, 2 * rows, T), dtype=torch.bfloat16, device=probs.device)
     hi, lo = both[:, :rows], both[:, rows:]
     hi.copy_(probs)
     torch.sub(probs, hi, out=lo)  # exact in fp32, rounded once to bf16
     halves = _bmm(both, values, split)
-    return halves[:, :rows] + halves[:, rows:]
+    torch.add(halves[:, :rows], halves[:, rows:], out=out)
 
 
-def _gather_rows(p: DecodeProblem, table: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[b, T, D] cache rows of the sequences whose block-table rows are ``table`` [b, T / page], in order.
-    Positions past a sequence's end read that sequence's first row instead: finite, and masked out of the
-    scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry."""
-    page = p.page_size
-    b, T = table.shape[0], table.shape[1] * page
-    rows = (table.long()[:, :, None] * page + positions[:page]).view(b, T)
-    rows = torch.where(positions[:T] < lens[:, None], rows, rows[:, :1])
-    return p.kv_cache.flatten(0, 1)[rows.view(-1)].view(b, T, -1)
+def _gather_rows(cache: torch.Tensor, page_rows: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor
+                 ) -> torch.Tensor:
+    """[b, T, D] cache rows of the sequences whose pages start at flattened rows ``page_rows`` [b, T / page, 1]
+    and that hold ``lens`` [b, 1] tokens, in order. Positions past a sequence's end read that sequence's first row instead: finite, and masked out
+    of the scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry.
+    (A page-at-a-time gather moves bytes faster but must then zero those rows: measured slower in all.)"""
+    page = cache.shape[1]
+    b, T = page_rows.shape[0], page_rows.shape[1] * page
+    rows = (page_rows + positions[:page]).view(b, T)
+    rows = torch.where(positions[:T] < lens, rows, rows[:, :1])
+    return cache.flatten(0, 1)[rows]
 
 
 @contextlib.contextmanager

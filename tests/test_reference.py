@@ -136,7 +136,7 @@ def test_length_groups_do_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> N
     spec = ProblemSpec(seq_lens=(900, 2, 300, 640, 65, 129, 3, 200), q_len=2, num_heads=4, page_size=16, seed=9)
     p = build_problem(spec)
     whole = reference_decode(p)
-    monkeypatch.setattr(reference, "MIN_GROUP_ROWS", 0)
+    monkeypatch.setattr(reference, "MIN_GROUP_BYTES", 0)
     lens = sorted(spec.seq_lens, reverse=True)
     assert len(list(reference._groups(lens, 16, 1, 1 << 40))) >= 5  # 900 640 | 300 | 200 | 129 | 65 | 3 | 2
     grouped = reference_decode(p)
