@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .backends.base import Backend
+from .backends import Backend, requested_backends
 from .bench_timing import CudaTimer, Timer, WallClockTimer
-from .cli import parse_device
+from .cli import OneLineParser, non_negative_int, one_line, parse_device, positive_int
 from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
@@ -423,8 +423,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{axis}", type=_ints, metavar=metavar, help=f"override the grid's {axis} axis")
     parser.add_argument("--dtype", type=lambda s: tuple(s.split(",")), metavar="D,...",
                         help=f"override the grid's dtype axis ({', '.join(DTYPES)})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the ragged lengths and values")
-    parser.add_argument("--samples", type=int, help="timed blocks per case (median reported)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the ragged lengths and values")
+    parser.add_argument("--samples", type=positive_int, help="timed blocks per case (median reported)")
     parser.add_argument("--no-reference", action="store_true", help="skip timing (and checking against) the reference")
     parser.add_argument("--no-graphs", action="store_true", help="time plain launches, not CUDA-graph replays")
     parser.add_argument("--out", type=Path, metavar="DIR", help="write bench.json, bench.csv, bench_gbps.svg here")
@@ -441,13 +441,12 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
     try:
         if ns.threshold <= 0:
             raise UsageError(f"--threshold must be > 0, got {ns.threshold}")
-        if ns.samples is not None and ns.samples < 1:
-            raise UsageError(f"--samples must be >= 1, got {ns.samples}")
         if ns.out is not None:  # fail before timing anything, not after
             ns.out.mkdir(parents=True, exist_ok=True)
             check_writable_dir(ns.out, "--out")
         baseline = BenchResult.load(ns.compare) if ns.compare else None
-        result = BenchResult.load(ns.result) if ns.result else _run_from_options(ns, resolve or resolve_backends, timer)
+        result = BenchResult.load(ns.result) if ns.result else \
+            _run_from_options(ns, resolve or requested_backends, timer)
         if ns.out is not None:
             for path in result.save(ns.out):
                 print(f"wrote {path}")
@@ -455,7 +454,7 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
             return 0
         comparison = compare_results(result, baseline, ns.threshold)
     except (MLAVerifyError, OSError) as e:
-        print(f"mla-verify bench: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"mla-verify bench: error: {one_line(e)}", file=sys.stderr)
         return 2
     report = comparison.report()
     print(report)
@@ -506,18 +505,8 @@ def _device(text: str) -> torch.device:
         raise UsageError(f"--device {e}") from None
 
 
-def resolve_backends(names: list[str] | None, kernels: list[str] | None = None) -> list[Backend]:
-    """``--kernel`` callables, else the named registered backends, else every registered one."""
-    from .backends import all_backends, get_backend
-    from .backends.user_kernel import load_kernel
-
-    if kernels:
-        return [load_kernel(k) for k in kernels]
-    return [get_backend(n) for n in dict.fromkeys(names)] if names else list(all_backends().values())
-
-
 def bench_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mla-verify bench", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="mla-verify bench", description=__doc__.split("\n\n")[0])
     add_bench_arguments(parser)
     return bench_command(parser.parse_args(argv))
 

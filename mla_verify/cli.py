@@ -23,7 +23,7 @@ EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE = 0, 1, 2
 DEFAULT_FIXTURES = Path("fixtures") / "regressions"
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (its own message plus where to look), exit 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -41,11 +41,11 @@ def _integer(text: str, least: int) -> int:
     return value
 
 
-def _seed(text: str) -> int:
+def non_negative_int(text: str) -> int:
     return _integer(text, 0)
 
 
-def _count(text: str) -> int:
+def positive_int(text: str) -> int:
     return _integer(text, 1)
 
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments, bench_command
     from .profiles import PROFILES
 
-    parser = _Parser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
+    parser = OneLineParser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
-    check.add_argument("--seed", type=_seed, help="Hypothesis seed (default: the profile's fixed seed)")
-    check.add_argument("--max-examples", type=_count, metavar="N", help="drawn cases per backend")
+    check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
+    check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
     check.add_argument("--minutes", type=_minutes, metavar="M", help="stop drawing new cases after M minutes")
     check.add_argument("--report", metavar="PATH",
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
@@ -148,14 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except MLAVerifyError as e:
-        print(f"mla-verify {ns.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"mla-verify {ns.command}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"mla-verify {ns.command}: interrupted", file=sys.stderr)
         return 130
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An error's message on one line, for stderr."""
     return " ".join(str(e).split())
 
 
@@ -231,20 +232,13 @@ def cmd_check(ns: argparse.Namespace) -> int:
 def _select_backends(kernels: list[str] | None, names: list[str] | None,
                      device: torch.device) -> list[tuple[Any, str | None]]:
     """(backend, why it cannot run here or None). A backend the user named must be able to run."""
-    from .backends import all_backends, get_backend
-    from .backends.user_kernel import load_kernel
+    from .backends import requested_backends
 
-    if kernels:
-        chosen = [load_kernel(k) for k in kernels]
-    elif names:
-        chosen = [get_backend(n) for n in dict.fromkeys(names)]
-    else:
-        return [(b, b.unavailable_reason(device)) for b in all_backends().values()]
-    for b in chosen:
-        reason = b.unavailable_reason(device)
-        if reason is not None:
+    chosen = [(b, b.unavailable_reason(device)) for b in requested_backends(names, kernels)]
+    for b, reason in chosen:
+        if reason is not None and (kernels or names):
             raise UsageError(f"{b.name} cannot run on {device}: {reason}")
-    return [(b, None) for b in chosen]
+    return chosen
 
 
 def _save_reproducer(directory: Path, case: Any) -> Path | None:
@@ -285,8 +279,10 @@ def _print_failure(case: Any, fixture: str | None) -> None:
 
 
 def _summary_line(result: Any) -> str:
-    distinct = {c.id: c for c in reversed(result.cases)}.values()  # a shrinking search revisits cases
-    counts = {v: sum(c.verdict == v for c in distinct) for v in ("pass", "fail", "skip")}
+    from .report import count_verdicts, distinct_cases
+
+    distinct = distinct_cases(result)
+    counts = count_verdicts(c.verdict for c in distinct)
     extra = " (time limit reached)" if result.timed_out else ""
     return (f"{result.backend}: {result.verdict.upper()} -- {len(distinct)} distinct cases "
             f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} outside the envelope) "

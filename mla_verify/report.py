@@ -11,6 +11,7 @@ import json
 import math
 import os
 import xml.etree.ElementTree as ET
+from collections import Counter
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -20,6 +21,7 @@ from .fixtures import check_writable_dir
 
 if TYPE_CHECKING:
     from .engine import EngineResult
+    from .harness import CaseResult
 
 FORMAT = "mla-verify-report"
 FORMAT_VERSION = 1
@@ -221,7 +223,7 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
     rows = []
     for b in report.get("backends", []):
         mine = [c for c in cases if c["backend"] == b["name"]]
-        count = {v: sum(c["verdict"] == v for c in mine) for v in ("pass", "fail", "skip")}
+        count = count_verdicts(c["verdict"] for c in mine)
         worst = max((_ratio(c) for c in mine if c.get("stats")), default=None)
         rows.append([b["name"], b["verdict"] + (" (time limit reached)" if b.get("timed_out") else ""),
                      str(len(mine)), str(count["pass"]), str(count["fail"]), str(count["skip"]),
@@ -293,6 +295,20 @@ def to_html(blocks: Iterable[Block]) -> str:
 
 
 # ---------------------------------------------------------------- the record
+def distinct_cases(result: "EngineResult") -> list["CaseResult"]:
+    """Each case id once, as first judged: a shrinking search revisits cases and the failure repeats one."""
+    first: dict[str, CaseResult] = {}
+    for c in [*result.cases, *([result.failure] if result.failure is not None else [])]:
+        first.setdefault(c.id, c)
+    return list(first.values())
+
+
+def count_verdicts(verdicts: Iterable[str]) -> dict[str, int]:
+    """How many of ``verdicts`` are pass, fail and skip."""
+    counts = Counter(verdicts)
+    return {v: counts[v] for v in ("pass", "fail", "skip")}
+
+
 def build_report(run: dict[str, Any], results: list["EngineResult"], fixtures: dict[str, str],
                  platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
     """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
@@ -300,20 +316,18 @@ def build_report(run: dict[str, Any], results: list["EngineResult"], fixtures: d
     ``fixtures`` maps a backend name to the reproducer written for its failure.
     """
     cases: list[dict[str, Any]] = []
-    seen: set[str] = set()
+    recorded: set[str] = set()  # ids hash the backend's name: one run twice (--kernel X twice) repeats them
     backends = []
     for r in results:
-        judged = list(r.cases) + ([r.failure] if r.failure is not None else [])
-        for c in judged:  # a shrinking search revisits cases: keep each id once, as first judged
-            if c.id not in seen:
-                seen.add(c.id)
-                cases.append(c.to_json())
+        distinct = distinct_cases(r)
+        cases += [c.to_json() for c in distinct if c.id not in recorded]
+        recorded.update(c.id for c in distinct)
         failure = None
         if r.failure is not None:
             failure = {"id": r.failure.id, "case": r.failure.describe(), "failures": r.failure.failures,
                        "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend)}
         backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
-                         "cases": len({c.id for c in judged}), "seconds": round(r.seconds, 3),
+                         "cases": len(distinct), "seconds": round(r.seconds, 3),
                          "timed_out": r.timed_out, "failure": failure})
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
             "selfcheck": selfcheck, "backends": backends, "cases": cases}

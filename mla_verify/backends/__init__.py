@@ -12,6 +12,7 @@ or prepared), so the registry works on a CPU-only machine.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
+from typing import Sequence
 
 from ..errors import UsageError
 from .base import Backend, Envelope, PreparedCall
@@ -19,7 +20,7 @@ from .base import Backend, Envelope, PreparedCall
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
 __all__ = ["Backend", "Envelope", "PreparedCall", "ENTRY_POINT_GROUP", "builtin_backends", "all_backends",
-           "get_backend"]
+           "get_backend", "requested_backends"]
 
 
 def builtin_backends() -> list[Backend]:
@@ -60,3 +61,12 @@ def get_backend(name: str) -> Backend:
     if name not in registry:
         raise UsageError(f"unknown backend '{name}'; known: {', '.join(registry)}")
     return registry[name]
+
+
+def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None) -> list[Backend]:
+    """The ``--kernel`` callables, else the ``--backend`` names (each once), else every registered backend."""
+    from .user_kernel import load_kernel
+
+    if kernels:
+        return [load_kernel(k) for k in kernels]
+    return [get_backend(n) for n in dict.fromkeys(names)] if names else list(all_backends().values())
