@@ -60,6 +60,11 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
+def _tensor_record(t: torch.Tensor) -> dict[str, Any]:
+    """What the JSON records of each tensor, and what loading checks it against: dtype, shape, sha256."""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+
+
 def save_fixture(directory: str | os.PathLike, fixture_id: str, problem: DecodeProblem, meta: dict[str, Any],
                  extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``<directory>/<fixture_id>.safetensors`` then ``.json``; returns the JSON path."""
@@ -83,8 +88,7 @@ def save_fixture(directory: str | os.PathLike, fixture_id: str, problem: DecodeP
         "versions": library_versions(),
         "tensors_file": tensors_path.name,
         "tensors_sha256": hashlib.sha256(blob).hexdigest(),
-        "tensors": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
-                        "sha256": tensor_sha256(v)} for k, v in tensors.items()},
+        "tensors": {k: _tensor_record(v) for k, v in tensors.items()},
     }
     os.makedirs(directory, exist_ok=True)
     _atomic_write(tensors_path, blob)
@@ -160,7 +164,7 @@ def _read_meta(json_path: Path, tensors_path: Path) -> dict[str, Any]:
         raise FixtureError(f"{json_path}: no such fixture") from None
     except OSError as e:
         raise FixtureError(f"{json_path}: cannot read: {e.strerror}") from None
-    if text[:1] == PICKLE_PROTOCOL_2_PLUS or text[:2] == ZIP_MAGIC:
+    if _is_pickle_or_zip(text):
         raise FixtureError(f"{json_path}: is a pickle or zip archive, not JSON: refused (fixtures are never unpickled)")
     try:
         meta = json.loads(text)
@@ -174,9 +178,14 @@ def _read_meta(json_path: Path, tensors_path: Path) -> dict[str, Any]:
     return meta
 
 
+def _is_pickle_or_zip(data: bytes) -> bool:
+    """Whether ``data`` starts like a pickle (protocol 2+) or a zip (torch.save's archive): refused, never parsed."""
+    return data[:1] == PICKLE_PROTOCOL_2_PLUS or data[:2] == ZIP_MAGIC
+
+
 def _check_safetensors_framing(path: Path, data: bytes) -> None:
     """Refuse anything that is not a safetensors file before any parser sees it."""
-    if data[:1] == PICKLE_PROTOCOL_2_PLUS or data[:2] == ZIP_MAGIC:
+    if _is_pickle_or_zip(data):
         raise FixtureError(f"{path}: is a pickle or zip archive (torch.save?), not safetensors: refused")
     if len(data) < 8:
         raise FixtureError(f"{path}: {len(data)} bytes: truncated or not a safetensors file")
@@ -193,7 +202,7 @@ def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], recorded: Any) 
         raise FixtureError(f"{path}: lacks problem tensor(s) {missing}")
     for name, t in tensors.items():
         want = recorded[name]
-        got = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": tensor_sha256(t)}
+        got = _tensor_record(t)
         if got != {k: want.get(k) for k in got}:
             raise FixtureError(f"{path}: tensor {name!r} does not match its recorded dtype/shape/sha256: refused")
 

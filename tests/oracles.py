@@ -3,7 +3,8 @@
 - ``naive_decode``: float64, one (sequence, query token, head, KV position) at a time, following the block
   table token by token.
 - ``sdpa_decode``: torch's scaled_dot_product_attention per sequence with an explicit bottom-right causal mask.
-Tiny problems only (a few heads, a few hundred tokens).
+Tiny problems only (a few heads, a few hundred tokens). ``naive_errors`` measures a ReferenceResult against
+``naive_decode``; ``F64_TOL`` bounds a float64 result against a float64 form.
 """
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from mla_verify.problem import DecodeProblem
+from mla_verify.reference import ReferenceResult
 
 F64 = torch.float64
+# Both sides are float64 and differ only in summation order: agreement is ~1e-15. Any real mistake (scale,
+# mask, page, length) moves results by >1e-3, so 1e-10 keeps five orders of magnitude on both sides.
+F64_TOL = 1e-10
 
 
 def row_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -47,6 +52,13 @@ def naive_decode(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Te
                 lse_e[b, i, h] = top + math.log(total)
                 lse_2[b, i, h] = top / math.log(2) + math.log2(total)
     return out, lse_e, lse_2
+
+
+def naive_errors(result: ReferenceResult, p: DecodeProblem) -> tuple[float, float, float]:
+    """(output row error, |lse - naive| base e, |lse_base2 - naive| base 2); NaN when either side is NaN."""
+    out, lse_e, lse_2 = naive_decode(p)
+    return (row_rel_err(result.out, out), float((result.lse - lse_e).abs().max()),
+            float((result.lse_base2 - lse_2).abs().max()))
 
 
 def sdpa_decode(p: DecodeProblem) -> torch.Tensor:

@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
-from oracles import naive_decode, row_rel_err, sdpa_decode
+from oracles import F64_TOL, naive_errors, row_rel_err, sdpa_decode
 
 from mla_verify.dims import R1_SOFTMAX_SCALE
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.problem import DecodeProblem
 from mla_verify import reference
-from mla_verify.reference import ReferenceResult, reference_decode
+from mla_verify.reference import reference_decode
 from mla_verify.selfcheck import absorbed_problem, unabsorbed_error
 
 DIMS = (512, 256)  # kv_lora_rank of the two presets; qk_rope_head_dim is 64 for both
@@ -28,10 +28,6 @@ PAGES = (1, 16, 32, 64)
 Q_LENS = (1, 2, 3, 4)
 GRID = list(itertools.product(DIMS, PAGES, Q_LENS))
 GRID_IDS = [f"L{rank}-page{page}-q{q}" for rank, page, q in GRID]
-
-# Both sides are float64 and differ only in summation order: agreement is ~1e-15. Any real mistake (scale,
-# mask, page, length) moves results by >1e-3, so 1e-10 keeps five orders of magnitude on both sides.
-F64_TOL = 1e-10
 
 
 def boundary_lengths(page: int, q_len: int) -> tuple[int, ...]:
@@ -57,13 +53,6 @@ def test_matches_unabsorbed_mha_form(rank: int, page: int, q_len: int) -> None:
 
 
 # -- (b) a naive float64 loop ---------------------------------------------------------------------------
-
-def naive_errors(result: ReferenceResult, p: DecodeProblem) -> tuple[float, float, float]:
-    """(output row error, |lse - naive| base e, |lse_base2 - naive| base 2); NaN when either side is NaN."""
-    out, lse_e, lse_2 = naive_decode(p)
-    return (row_rel_err(result.out, out), float((result.lse - lse_e).abs().max()),
-            float((result.lse_base2 - lse_2).abs().max()))
-
 
 @pytest.mark.parametrize("rank,page,q_len", GRID, ids=GRID_IDS)
 def test_matches_naive_loop(rank: int, page: int, q_len: int) -> None:
