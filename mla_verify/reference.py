@@ -200,9 +200,10 @@ def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, 
 def _gather_rows(cache: torch.Tensor, page_rows: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor
                  ) -> torch.Tensor:
     """[b, T, D] cache rows of the sequences whose pages start at flattened rows ``page_rows`` [b, T / page, 1]
-    and that hold ``lens`` [b, 1] tokens, in order. Positions past a sequence's end read that sequence's first row instead: finite, and masked out
-    of the scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry.
-    (A page-at-a-time gather moves bytes faster but must then zero those rows: measured slower in all.)"""
+    and that hold ``lens`` [b, 1] tokens, in order. Positions past a sequence's end read that sequence's first
+    row instead: finite, and masked out of the scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor
+    be followed through a padding entry. (A page-at-a-time gather moves bytes faster but must then zero those
+    rows: measured slower on all three benchmark cases, docs/gpu_results.md.)"""
     page = cache.shape[1]
     b, T = page_rows.shape[0], page_rows.shape[1] * page
     rows = (page_rows + positions[:page]).view(b, T)
