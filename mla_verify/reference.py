@@ -1,10 +1,11 @@
 """The reference: absorbed MLA decode over the paged latent cache, in high precision.
 
 Sequences are sorted by length and processed in groups, each gathered to its own longest length, so
-padding is small (a group keeps to 70% of its longest) and peak memory is bounded by ``chunk_bytes`` (by
-default twice the cache bytes the problem reads, not B x max_seq_len). Each group is exact attention -- one
-softmax over the whole row, no split-KV merging -- so the reference stays simple. On a GPU its time is mostly
-the host launching ~15 operations per group; the lengths are the only thing read back, once.
+padding is small (on GPUs a group keeps to 70% of its longest once it holds 384 MiB of work) and work memory
+is bounded by ``chunk_bytes`` (by default twice the cache bytes the problem reads, not B x max_seq_len).
+Each group is exact attention -- one softmax over the whole row, no split-KV merging -- so the reference
+stays simple. The lengths are the only values read back to the host, once; on an H200 the wall time was
+1.3-1.8x the kernels' own time, the rest the host launching ~15 operations per group.
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
 products of bf16/fp8 inputs are exact and the accumulation error stays below ~4e-6 relative up to T = 16k
@@ -16,21 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
+from .errors import UsageError
 from .problem import DecodeProblem
 
 LN2 = math.log(2.0)
 DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps; the default is 2x the cache bytes read
 MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
-# A group ends where the next sequence is shorter than this fraction of the group's longest, so padding stays
-# under 30% of a group's rows (~15% for evenly spread lengths; one padded group for uniform lengths in
-# [1, 4096] was 1.6x the tokens) -- unless the group still holds under MIN_GROUP_BYTES of work memory: a
-# group costs ~15 launches (~0.3 ms of host time measured on the H200's host), about what a GPU spends on
-# that much memory, so padding a small group is cheaper than another one.
+# A group ends where the next sequence (in whole pages) is shorter than this fraction of the group's longest,
+# so padding stays under 30% of a group's rows (~15% for evenly spread lengths; grouping by memory alone
+# padded the benchmark cases to 1.4-1.7x their tokens) -- unless the group still holds under MIN_GROUP_BYTES
+# of work memory: a group costs ~15 launches of host time (~12 us each on the H200's host,
+# results/h200/2026-12-01/reference-v2/host_probe.txt), so padding a small group is cheaper than another one.
+# (On CPUs the chunk cap, 256 MiB, is below the floor: groups there are bounded by memory alone.)
 GROUP_LENGTH_RATIO = 0.7
 MIN_GROUP_BYTES = 384 << 20
 
@@ -54,7 +58,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     (bf16 / fp8 inputs only; float32 results) keeps the operands in bf16 -- fp8 and bf16 values are exact
     there -- and accumulates in fp32, so the scores are the exact products summed in fp32; the probabilities
     are split into two bf16 terms (hi + lo, relative error 2^-17 ~ 8e-6) for the second product. Tensor cores
-    then do the work: the fast mode used on GPUs, ~200x more precise than any bf16 kernel (~2e-3).
+    then do the work: the fast mode used on GPUs, typically ~200x more precise than a bf16 kernel (2e-6 to
+    8e-6 against ~2e-3), at worst ~18x (1.1e-4 at T = 131072).
 
     ``p_dtype`` (bf16 / fp8) instead emulates a careful low-precision kernel -- the probabilities
     exp(s - rowmax) rounded to ``p_dtype`` before the second product, as flash-style kernels feed their
@@ -68,6 +73,10 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
         raise ValueError("matmul='bf16-split' needs bf16 or fp8 query and cache (exact in bf16)")
     precision = torch.float32 if split else precision
     operand = torch.bfloat16 if split else precision
+    if precision == torch.float32 and not split and p.device.type == "cuda" and \
+            os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
+        raise UsageError("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 forces TF32 into float32 products, which the "
+                         "float32 reference cannot allow: unset it")
     L = p.dims.kv_lora_rank
     B, Q, H, D = p.query.shape
     page = p.page_size
@@ -76,16 +85,18 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     lens = sorted(p.seq_lens.tolist(), reverse=True)
     if chunk_bytes is None:
         chunk_bytes = _default_chunk_bytes(p, sum(lens))
-    # per gathered token: the gathered row, its converted copy (exact mode), and scores, probabilities and
-    # their temporaries for every (query token, head)
-    bytes_per_token = D * p.kv_cache.element_size() + (0 if split else D * itemsize) + 4 * Q * H * itemsize
+    # per gathered token: the gathered row, its converted copy (fp8 to bf16, or to ``precision``), and
+    # scores, probabilities and their temporaries for every (query token, head)
+    converted = 0 if p.kv_cache.dtype == operand else D * operand.itemsize
+    bytes_per_token = D * p.kv_cache.element_size() + converted + 4 * Q * H * itemsize
     # the problem in length order, once: each group is then a slice of it, not an indexing op per group
     # (host time per operation is what this loop spends most on a GPU, hence shapes made once, here)
     seq_lens, longest_first = torch.sort(p.seq_lens, descending=True, stable=True)  # the order of ``lens``
     seq_lens = seq_lens[:, None]
     page_rows = p.block_table[longest_first].long() * page  # each page's first row in the flattened cache
     queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
-    positions = torch.arange(max(page, -(-lens[0] // page) * page), device=p.device)
+    positions = torch.arange(-(-lens[0] // page) * page, device=p.device)  # at least one page: lens >= 1
+    cache_rows = p.kv_cache.flatten(0, 1)  # a copy only for a pool whose pages cannot merge: once, here
     # [B, Q, 1, 1]: the first position query token i must not see (it sees seq_len - Q + i and before)
     hidden_from = (seq_lens + torch.arange(1 - Q, 1, device=p.device))[:, :, None, None]
     # what each group writes: out without bmm2_scale, each row's top score and that score's share of the sum
@@ -96,9 +107,9 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     with _no_tf32():
         for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
-            kv = _gather_rows(p.kv_cache, page_rows[group, :tokens // page, None], seq_lens[group], positions)
+            kv = _gather_rows(cache_rows, page_rows[group, :tokens // page, None], seq_lens[group], positions, page)
             # positions before the group's shortest sequence's first causal limit are visible to every token
-            first_hidden = max(0, lens[stop - 1] - Q + 1)
+            first_hidden = lens[stop - 1] - Q + 1  # >= 1: validation keeps seq_len >= q_len
             _attend(p, queries[group], kv.to(operand), hidden_from[group], positions[first_hidden:tokens], p_dtype,
                     split, (out[group], top[group], top_share[group]))
     lse = top.sub_(top_share.log_())
@@ -111,14 +122,18 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
 
 def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
     """(start, stop, tokens) per group of the longest-first ``lens``: ``tokens`` is the group's longest length
-    in whole pages; a group fits ``chunk_bytes`` and keeps to GROUP_LENGTH_RATIO of its longest."""
+    in whole pages; a group fits ``chunk_bytes`` (at least one sequence) and keeps to GROUP_LENGTH_RATIO of
+    its longest once it holds MIN_GROUP_BYTES."""
+    def whole_pages(n: int) -> int:
+        return -(-n // page) * page
+
     start = 0
     while start < len(lens):
-        tokens = -(-lens[start] // page) * page
+        tokens = whole_pages(lens[start])
         fits = max(1, chunk_bytes // (tokens * bytes_per_token))
         stop = start + 1
         while stop < len(lens) and stop - start < fits and (
-                lens[stop] >= GROUP_LENGTH_RATIO * tokens
+                whole_pages(lens[stop]) >= GROUP_LENGTH_RATIO * tokens
                 or (stop - start) * tokens * bytes_per_token < MIN_GROUP_BYTES):
             stop += 1
         yield start, stop, tokens
@@ -146,11 +161,11 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0) -> t
         out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype, device=a.device)
         try:  # beta=0 with out= its own input: the uninitialised buffer is neither read nor copied
             return torch.baddbmm(out, a, b, beta=0, alpha=alpha, out=out, **({"out_dtype": dtype} if split else {}))
-        except (RuntimeError, TypeError):  # an older PyTorch without out_dtype: same numbers, slower
+        except (TypeError, NotImplementedError):  # a PyTorch without out_dtype: same numbers, slower
             pass
     if split:
         a, b = a.float(), b.float()
-    # CPU: bmm, whose results do not depend on the group's padded length (baddbmm's do, in the last bit)
+    # CPU: bmm then the scale (the chunking tests' results moved in the last bit with baddbmm, not with bmm)
     out = torch.bmm(a, b)
     return out if alpha == 1.0 else out.mul_(alpha)
 
@@ -197,29 +212,34 @@ def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, 
     torch.add(halves[:, :rows], halves[:, rows:], out=out)
 
 
-def _gather_rows(cache: torch.Tensor, page_rows: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor
-                 ) -> torch.Tensor:
-    """[b, T, D] cache rows of the sequences whose pages start at flattened rows ``page_rows`` [b, T / page, 1]
-    and that hold ``lens`` [b, 1] tokens, in order. Positions past a sequence's end read that sequence's first
-    row instead: finite, and masked out of the scores, so a NaN-poisoned tail can neither leak (0 * NaN) nor
-    be followed through a padding entry. (A page-at-a-time gather moves bytes faster but must then zero those
-    rows: measured slower on all three benchmark cases, docs/gpu_results.md.)"""
-    page = cache.shape[1]
-    b, T = page_rows.shape[0], page_rows.shape[1] * page
+def _gather_rows(cache_rows: torch.Tensor, page_rows: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
+                 page: int) -> torch.Tensor:
+    """[b, T, D] rows of the flattened cache ``cache_rows`` [pages * page, D], in order, for the sequences whose
+    pages start at rows ``page_rows`` [b, T / page, 1] and that hold ``lens`` [b, 1] tokens. Positions past a
+    sequence's end read that sequence's first row instead: finite, and masked out of the scores, so a
+    NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry. (A page-at-a-time
+    gather moves bytes faster but must then zero those rows: measured slower on all three benchmark cases,
+    docs/gpu_results.md.)"""
+    b, npages, _ = page_rows.shape
+    T = npages * page
     rows = (page_rows + positions[:page]).view(b, T)
     rows = torch.where(positions[:T] < lens, rows, rows[:, :1])
-    return cache.flatten(0, 1)[rows]
+    return cache_rows[rows]
 
 
 @contextlib.contextmanager
 def _no_tf32():
-    """TF32 would cut fp32 products to a 10-bit mantissa: never in the reference."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """TF32 would cut fp32 products to a 10-bit mantissa: never in the reference. PyTorch >= 2.9 refuses to
+    read the old ``allow_tf32`` flag once the new ``fp32_precision`` one was set, so the new one is used where
+    it exists."""
+    matmul = torch.backends.cuda.matmul
+    name, strict = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, strict)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        setattr(matmul, name, saved)
 
 
 def unabsorbed_decode(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.Tensor,

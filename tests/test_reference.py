@@ -133,6 +133,22 @@ def test_length_groups_do_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(whole.lse, grouped.lse)
 
 
+def test_tf32_set_through_the_new_api_is_overridden_and_restored() -> None:
+    # PyTorch >= 2.9 raises when the legacy allow_tf32 flag is read after fp32_precision was set; the reference
+    # must neither crash on that nor leave its own setting behind
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this PyTorch has no fp32_precision setting")
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        p = build_problem(boundary_spec(512, 16, 2))
+        assert all(err < F64_TOL for err in naive_errors(reference_decode(p), p))
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = saved
+
+
 @pytest.mark.parametrize("seq_len", [1, 100, 4096, 16384])
 def test_float32_precision_within_documented_bound(seq_len: int) -> None:
     # reference.py documents the float32 mode as "below 1e-5" relative for T <= 64k tokens; outliers and the

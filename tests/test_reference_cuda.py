@@ -15,6 +15,8 @@ import torch
 from oracles import F64_TOL, row_rel_err  # float64 both sides; cuBLAS only sums in another order
 from test_reference import boundary_spec
 
+from mla_verify import reference
+from mla_verify.errors import UsageError
 from mla_verify.generate import build_problem
 from mla_verify.problem import DecodeProblem
 from mla_verify.reference import reference_decode
@@ -56,11 +58,14 @@ def test_cuda_reference_matches_the_cpu_reference(rank: int, page: int, q_len: i
     assert float(lse_err.max()) < FAST_LSE_TOL
 
 
-def test_cuda_reference_handles_long_ragged_groups() -> None:
-    # several groups (a small chunk), sequences past 16k tokens next to 1-token ones: the tail-only mask and the
-    # per-group gather must still give the CPU's answer
+@pytest.mark.parametrize("length_rule", [False, True], ids=["by-memory", "70%-rule"])
+def test_cuda_reference_handles_long_ragged_groups(length_rule: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # several groups (a small chunk, or the 70% rule with its floor off), sequences past 16k tokens next to
+    # 2-token ones: the tail-only mask and the per-group gather must still give the CPU's answer
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device visible")
+    if length_rule:
+        monkeypatch.setattr(reference, "MIN_GROUP_BYTES", 0)
     spec = dataclasses.replace(boundary_spec(512, 64, 2, num_heads=8), seq_lens=(17000, 2, 4097, 64, 65, 9000, 3))
     p = build_problem(spec)
     cpu = reference_decode(p, chunk_bytes=1 << 22)
@@ -68,3 +73,26 @@ def test_cuda_reference_handles_long_ragged_groups() -> None:
     for chunk in (None, 1 << 22):
         fast = reference_decode(gpu, torch.float32, chunk_bytes=chunk, matmul="bf16-split")
         assert row_rel_err(fast.out.cpu(), cpu.out) < FAST_ROW_TOL
+
+
+def test_cuda_float32_exact_mode_and_recycled_nan_memory() -> None:
+    # the float32 mode (what GPUs use for fp16/fp32 inputs) holds the documented 1e-5 (docs/reference.md), and
+    # the products' beta=0 really ignores their uninitialised buffers: the allocator is first filled with NaN
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    p = build_problem(boundary_spec(512, 16, 4, dtype="fp16", num_heads=16, values="outliers"))
+    cpu = reference_decode(p)
+    poison = torch.full((1 << 26,), float("nan"), device="cuda")
+    del poison  # its NaN-filled block goes back to the caching allocator, to be handed out again
+    fast = reference_decode(_on(p, torch.device("cuda")), torch.float32)
+    assert bool(torch.isfinite(fast.out).all()) and bool(torch.isfinite(fast.lse).all())
+    assert row_rel_err(fast.out.cpu(), cpu.out) < 1e-5
+
+
+def test_a_forced_tf32_override_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    p = _on(build_problem(boundary_spec(512, 16, 1, dtype="fp16")), torch.device("cuda"))
+    with pytest.raises(UsageError, match="TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"):
+        reference_decode(p, torch.float32)
