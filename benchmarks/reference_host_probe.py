@@ -39,7 +39,8 @@ def ev(fn, n=15):
 fast = lambda: R.reference_decode(p, torch.float32, matmul="bf16-split")
 for floor, chunk in ((384 << 20, None), (1 << 40, None), (1 << 40, 3 * 303 << 20), (1 << 40, 1 << 40)):
     R.MIN_GROUP_BYTES = floor
-    print("B128 floor", floor >> 20, "chunk", chunk, ev(lambda: R.reference_decode(p, torch.float32, chunk_bytes=chunk, matmul="bf16-split")))
+    call = lambda: R.reference_decode(p, torch.float32, chunk_bytes=chunk, matmul="bf16-split")  # noqa: E731
+    print("B128 floor", floor >> 20, "chunk", chunk, ev(call))
 R.MIN_GROUP_BYTES = 384 << 20
 with torch.inference_mode():
     print("B128 inference_mode", ev(fast))
