@@ -1,0 +1,148 @@
+"""A/B timing of reference versions on the issue-2 cases, interleaved in one process (a benchmark, not a test).
+
+The lent GPU's host is noisy (results/h200/2026-12-01/reference-v2: the same code measured 9.1x and 10.3x fa3
+in two runs), so versions are compared round-robin on the same problems, each sample a fresh call, and the
+medians reported side by side with fa3's. A version is this tree's ``mla_verify.reference``, optionally
+another file of the same module (``--old PATH``, e.g. ``git show REV:mla_verify/reference.py``), each with
+module constants overridden (``--variant NAME:CONST=VALUE,...``). Each sample is host wall time from the call
+to the end of its GPU work (the reference reads the lengths on the host, so CUDA graphs do not apply); the
+time until the call returns (``issue ms``) says how much of it the host spent queuing.
+
+    python benchmarks/reference_ab.py --old old_reference.py --variant ratio08:GROUP_LENGTH_RATIO=0.8 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_vs_fa3 import CASES, time_fa3  # noqa: E402
+
+from mla_verify import reference  # noqa: E402
+from mla_verify.bench_timing import CudaTimer  # noqa: E402
+from mla_verify.generate import build_problem  # noqa: E402
+from mla_verify.problem import DecodeProblem  # noqa: E402
+
+
+def load_module(path: Path) -> ModuleType:
+    """Another version of reference.py, imported under its own name (relative imports made absolute)."""
+    source = path.read_text().replace("from .", "from mla_verify.")
+    module = ModuleType(f"reference_{path.stem}")
+    module.__file__ = str(path)
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - a file the caller named
+    return module
+
+
+def parse_variant(text: str, base: ModuleType) -> tuple[str, ModuleType, dict[str, Any]]:
+    name, _, settings = text.partition(":")
+    overrides = {}
+    for item in filter(None, settings.split(",")):
+        key, _, value = item.partition("=")
+        if not hasattr(base, key):
+            raise SystemExit(f"reference_ab: {base.__name__} has no constant {key}")
+        overrides[key] = type(getattr(base, key))(float(value) if "." in value else int(value))
+    return name, base, overrides
+
+
+def call(module: ModuleType, overrides: dict[str, Any], problem: DecodeProblem) -> Callable[[], Any]:
+    def run() -> Any:
+        saved = {k: getattr(module, k) for k in overrides}
+        for k, v in overrides.items():
+            setattr(module, k, v)
+        try:
+            return module.reference_decode(problem, torch.float32, matmul="bf16-split")
+        finally:
+            for k, v in saved.items():
+                setattr(module, k, v)
+    return run
+
+
+def sample(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    """(wall ms to the end of the GPU work, ms until the call returned)."""
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    issued = time.perf_counter()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3, (issued - start) * 1e3
+
+
+def kernel_profile(fn: Callable[[], Any], device: torch.device) -> str:
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--old", type=Path, help="another version of mla_verify/reference.py, as 'old'")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:CONST=VALUE,... of this tree's reference (or old.NAME:... of --old)")
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="append", default=[], help="variant names to profile per case")
+    ns = parser.parse_args(argv)
+    device = torch.device("cuda")
+    old = load_module(ns.old) if ns.old else None
+    variants = [("new", reference, {})] + ([("old", old, {})] if old else [])
+    for text in ns.variant:
+        base = old if text.startswith("old.") else reference
+        variants.append(parse_variant(text, base))
+    ns.out.mkdir(parents=True, exist_ok=True)
+    timer = CudaTimer(device, samples=10)
+    rows = []
+    for case in CASES:
+        spec = case.spec(ns.seed)
+        problem = build_problem(spec, device)
+        exact = reference.reference_decode(problem, torch.float64)
+        row: dict[str, Any] = {"case": case.key, "variants": {}}
+        row["fa3"] = time_fa3(problem, spec, timer, exact.out)
+        fns = {name: call(module, overrides, problem) for name, module, overrides in variants}
+        first = None
+        for name, fn in fns.items():  # warm-up, and each version's error against float64
+            result = fn()
+            first = first or result
+            row["variants"][name] = {
+                "same_bits_as_first": bool(torch.equal(result.out, first.out) and torch.equal(result.lse, first.lse)),
+                "rel_l2_vs_fp64": float((result.out.double() - exact.out).norm() / exact.out.norm()),
+                "lse_max_abs_vs_fp64": float((result.lse.double() - exact.lse).abs().max()),
+                "wall_ms": [], "issue_ms": []}
+        del exact, result, first
+        for _ in range(ns.samples):
+            for name, fn in fns.items():
+                wall, issue = sample(fn, device)
+                row["variants"][name]["wall_ms"].append(wall)
+                row["variants"][name]["issue_ms"].append(issue)
+        fa3_ms = row["fa3"].get("median_ms")
+        for name, entry in row["variants"].items():
+            entry["median_wall_ms"] = statistics.median(entry["wall_ms"])
+            entry["median_issue_ms"] = statistics.median(entry["issue_ms"])
+            entry["ratio_vs_fa3"] = entry["median_wall_ms"] / fa3_ms if fa3_ms else None
+            print(f"{case.key:30s} {name:14s} wall {entry['median_wall_ms']:7.3f} ms  issue "
+                  f"{entry['median_issue_ms']:7.3f} ms  x fa3 {entry['ratio_vs_fa3'] or float('nan'):5.2f}  "
+                  f"rel L2 {entry['rel_l2_vs_fp64']:.2e}  same bits {entry['same_bits_as_first']}", flush=True)
+        for name in ns.profile:
+            with open(ns.out / "profile.txt", "a") as f:
+                f.write(f"== {case.key}: {name}\n{kernel_profile(fns[name], device)}\n")
+        rows.append(row)
+        del problem, fns
+        torch.cuda.empty_cache()
+    (ns.out / "reference_ab.json").write_text(json.dumps({"cases": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
