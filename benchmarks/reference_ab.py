@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="append", default=[], help="variant names to profile per case")
     ns = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("reference_ab: needs a CUDA GPU (fa3 and the fast reference run there)", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     old = load_module(ns.old) if ns.old else None
     variants = [("new", reference, {})] + ([("old", old, {})] if old else [])

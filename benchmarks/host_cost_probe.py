@@ -1,0 +1,173 @@
+"""Host cost of the fast reference's per-group operations, and of ways to issue them (a benchmark, not a test).
+
+results/h200/2026-12-01/reference-ab found the fast reference host-bound on the H200: the call returns only
+0.04-0.2 ms before its GPU work ends. This probe says which of a group's ~14 launches cost the host most, and
+whether an alternative computing the same values costs less:
+- the products: ``baddbmm(..., out_dtype=float32)`` as the reference calls it, under each BLAS library PyTorch
+  offers (``torch.backends.cuda.preferred_blas_library``), and ``bmm(..., out_dtype=float32)``;
+- the gather: advanced indexing (the reference's) and ``index_select`` on the flattened rows, host cost and,
+  on CUDA, GPU throughput at a realistic size (a cheaper call must not be a slower copy);
+- the rest of a group: where, the tail's masked_fill_, max(out=), softmax, gather(out=), the hi/lo conversions
+  and the halves' sum;
+- issuing from threads: the same small operation from 1, 2 and 4 threads, each on its own CUDA stream.
+  PyTorch releases the GIL inside an operation, but on the 2-core CPU machine two threads issuing tiny CPU
+  operations were 4x slower than one (GIL hand-offs), so this is measured before anything relies on it.
+
+Shapes are small (2 sequences, 16 rows, 64 positions) so the GPU never holds the host back; each line is the
+mean host time of ``--calls`` calls after a warm-up, with the GPU idle before each batch. An alternative's
+line ends in ``same`` when its result is bit-identical to the reference's operation (for ``bmm``: to
+``baddbmm`` with alpha 1, since it leaves the scale to another pass).
+
+    python benchmarks/host_cost_probe.py --device cuda > host_cost.txt
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def host_us(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
+    fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1e6
+
+
+def threads_ms(device: torch.device, threads: int, total: int) -> float:
+    """Wall ms for ``total`` small adds split over ``threads`` threads, each on its own stream on CUDA."""
+    x = torch.ones(64, device=device)
+
+    def work(n: int) -> None:
+        ctx = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else _nothing()
+        with ctx:
+            y = x
+            for _ in range(n):
+                y = torch.add(y, x)
+    work(10)
+    workers = [threading.Thread(target=work, args=(total // threads,)) for _ in range(threads)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def gather_gbps(device: torch.device, index_select: bool) -> float:
+    """GPU throughput of the reference's row gather at a realistic size: 256k rows of 576 bf16 (~300 MB read,
+    as B=128, seq <= 4096) from a 2x larger pool, in random order; median of 10 after a warm-up."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    pool = torch.randn(1 << 19, 576, generator=gen).to(device, torch.bfloat16)
+    rows = torch.randperm(pool.shape[0], generator=gen)[: 1 << 18].to(device)
+    fn = (lambda: pool.index_select(0, rows)) if index_select else (lambda: pool[rows])
+    fn()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize(device)
+        times.append(a.elapsed_time(b) / 1e3)
+    moved = 2 * rows.numel() * pool.shape[1] * pool.element_size()
+    return moved / sorted(times)[len(times) // 2] / 1e9
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=300)
+    ns = parser.parse_args(argv)
+    device = torch.device(ns.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("host_cost_probe: no CUDA device visible (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, rows, T, D, L, page = 2, 16, 64, 576, 512, 16
+    f32 = torch.float32
+    q = torch.randn(b, rows, D, generator=gen).to(device, torch.bfloat16)
+    pool = torch.randn(64 * page, D, generator=gen).to(device, torch.bfloat16)
+    rows_idx = torch.randint(0, pool.shape[0], (b, T), generator=gen).to(device)
+    kv = pool[rows_idx]
+    scores = torch.empty(b, rows, T, dtype=f32, device=device)
+    probs = torch.softmax(torch.randn(b, rows, T, generator=gen).to(device), -1)
+    both = torch.empty(b, 2, rows, T, dtype=torch.bfloat16, device=device)
+    halves = torch.randn(b, 2, rows, L, generator=gen).to(device)
+    out = torch.empty(b, rows, L, dtype=f32, device=device)
+    top, top_share = torch.empty(b, rows, 1, dtype=f32, device=device), torch.empty(b, rows, 1, dtype=f32, device=device)
+    top_at = torch.empty(b, rows, 1, dtype=torch.long, device=device)
+    positions = torch.arange(T, device=device)
+    lens = torch.tensor([[T], [T - 5]], device=device)
+    hidden = positions[T - 8:] >= lens[:, None, None]
+    kw = {"out_dtype": f32} if device.type == "cuda" else {}
+    split = (lambda: torch.baddbmm(scores, q, kv.mT, beta=0, alpha=0.1, out=scores, **kw)) if kw else \
+        (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, alpha=0.1, out=scores))
+    ops: dict[str, Callable[[], Any]] = {
+        "baddbmm out_dtype fp32 (reference)": split,
+        "bmm out_dtype fp32": (lambda: torch.bmm(q, kv.mT, **kw)) if kw else (lambda: torch.bmm(q.float(), kv.float().mT)),
+        "index: pool[rows] (reference)": lambda: pool[rows_idx],
+        "index_select: pool.index_select(0, rows)": lambda: pool.index_select(0, rows_idx.view(-1)).view(b, T, D),
+        "where (rows past the end)": lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]),
+        "masked_fill_ on the tail view": lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, -1e30),
+        "max(out=)": lambda: torch.max(scores, -1, keepdim=True, out=(top, top_at)),
+        "softmax": lambda: torch.softmax(scores, -1),
+        "gather(out=)": lambda: torch.gather(probs, -1, top_at, out=top_share),
+        "hi.copy_(probs)": lambda: both[:, 0].copy_(probs),
+        "sub(probs, hi, out=lo)": lambda: torch.sub(probs, both[:, 0], out=both[:, 1]),
+        "sum of halves (out=)": lambda: torch.sum(halves, 1, out=out),
+        "add of halves (out=)": lambda: torch.add(halves[:, 0], halves[:, 1], out=out),
+        "slice": lambda: rows_idx[1:2],
+        "empty": lambda: torch.empty(b, rows, T, dtype=f32, device=device),
+    }
+    unscaled = (lambda: torch.baddbmm(scores, q, kv.mT, beta=0, out=scores, **kw)) if kw else \
+        (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, out=scores))
+    same = {"bmm out_dtype fp32": lambda: bool(torch.equal(ops["bmm out_dtype fp32"](), unscaled())),
+            "index_select: pool.index_select(0, rows)":
+                lambda: bool(torch.equal(ops["index_select: pool.index_select(0, rows)"](), pool[rows_idx])),
+            "sum of halves (out=)": lambda: bool(torch.equal(torch.sum(halves, 1), halves[:, 0] + halves[:, 1]))}
+    print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"{ns.calls} calls each, host microseconds per call")
+    for name, fn in ops.items():
+        tag = ("  same" if same[name]() else "  DIFFERENT") if name in same else ""
+        print(f"{name:45s} {host_us(fn, device, ns.calls):8.1f}{tag}", flush=True)
+    if device.type == "cuda":
+        blas = torch.backends.cuda.preferred_blas_library()
+        for library in ("cublas", "cublaslt"):
+            try:
+                torch.backends.cuda.preferred_blas_library(library)
+                print(f"{'baddbmm out_dtype fp32 with ' + library:45s} {host_us(split, device, ns.calls):8.1f}", flush=True)
+            except RuntimeError as exc:
+                print(f"{'baddbmm out_dtype fp32 with ' + library:45s} failed: {str(exc).splitlines()[0]}")
+        torch.backends.cuda.preferred_blas_library(blas)
+        print(f"{'gather GB/s (read + write), index':45s} {gather_gbps(device, False):8.0f}", flush=True)
+        print(f"{'gather GB/s (read + write), index_select':45s} {gather_gbps(device, True):8.0f}", flush=True)
+    total = 40 * ns.calls
+    for n in (1, 2, 4):
+        print(f"{f'{total} adds from {n} thread(s), ms':45s} {threads_ms(device, n, total):8.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
