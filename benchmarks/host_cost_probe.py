@@ -23,6 +23,7 @@ line ends in ``same`` when its result is bit-identical to the reference's operat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ def threads_ms(device: torch.device, threads: int, total: int) -> float:
     x = torch.ones(64, device=device)
 
     def work(n: int) -> None:
-        ctx = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else _nothing()
+        ctx = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else contextlib.nullcontext()
         with ctx:
             y = x
             for _ in range(n):
@@ -85,14 +86,6 @@ def gather_gbps(device: torch.device, index_select: bool) -> float:
         times.append(a.elapsed_time(b) / 1e3)
     moved = 2 * rows.numel() * pool.shape[1] * pool.element_size()
     return moved / sorted(times)[len(times) // 2] / 1e9
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
