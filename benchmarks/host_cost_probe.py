@@ -11,7 +11,8 @@ whether an alternative computing the same values costs less:
   and the halves' sum;
 - issuing from threads: the same small operation from 1, 2 and 4 threads, each on its own CUDA stream.
   PyTorch releases the GIL inside an operation, but on the 2-core CPU machine two threads issuing tiny CPU
-  operations were 4x slower than one (GIL hand-offs), so this is measured before anything relies on it.
+  operations took 1.5-4x as long as one in four runs (GIL hand-offs; results/cpu/host_cost_probe.txt), so this is measured
+  before anything relies on it.
 
 Shapes are small (2 sequences, 16 rows, 64 positions) so the GPU never holds the host back; each line is the
 mean host time of ``--calls`` calls after a warm-up, with the GPU idle before each batch. An alternative's
@@ -69,11 +70,14 @@ def threads_ms(device: torch.device, threads: int, total: int) -> float:
 
 
 def gather_gbps(device: torch.device, index_select: bool) -> float:
-    """GPU throughput of the reference's row gather at a realistic size: 256k rows of 576 bf16 (~300 MB read,
-    as B=128, seq <= 4096) from a 2x larger pool, in random order; median of 10 after a warm-up."""
+    """GPU throughput of the reference's row gather at a realistic size: 4096 pages of 64 rows of 576 bf16
+    (~300 MB read, as B=128, seq <= 4096), each page's rows consecutive, the pages in random order from a pool
+    twice that size; median of 10 after a warm-up."""
     gen = torch.Generator(device="cpu").manual_seed(1)
-    pool = torch.randn(1 << 19, 576, generator=gen).to(device, torch.bfloat16)
-    rows = torch.randperm(pool.shape[0], generator=gen)[: 1 << 18].to(device)
+    page = 64
+    pool = torch.randn(8192 * page, 576, generator=gen).to(device, torch.bfloat16)
+    pages = torch.randperm(8192, generator=gen)[:4096]
+    rows = (pages[:, None] * page + torch.arange(page)).view(-1).to(device)
     fn = (lambda: pool.index_select(0, rows)) if index_select else (lambda: pool[rows])
     fn()
     times = []

@@ -13,6 +13,7 @@ time until the call returns (``issue ms``) says how much of it the host spent qu
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import statistics
@@ -42,14 +43,27 @@ def load_module(path: Path) -> ModuleType:
     return module
 
 
-def parse_variant(text: str, base: ModuleType) -> tuple[str, ModuleType, dict[str, Any]]:
+def parse_variant(text: str, base: ModuleType | None) -> tuple[str, ModuleType, dict[str, Any]]:
+    """NAME:CONST=VALUE,... -> (name, module, overrides); a value must keep its constant's type (an int where
+    a float stands is taken as that float)."""
     name, _, settings = text.partition(":")
+    if base is None:
+        raise SystemExit(f"reference_ab: variant {name} names old. but no --old was given")
     overrides = {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
         if not hasattr(base, key):
             raise SystemExit(f"reference_ab: {base.__name__} has no constant {key}")
-        overrides[key] = type(getattr(base, key))(float(value) if "." in value else int(value))
+        current = getattr(base, key)
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"reference_ab: {key}={value} is not a Python literal") from None
+        if isinstance(current, float) and type(parsed) is int:
+            parsed = float(parsed)
+        if type(parsed) is not type(current):
+            raise SystemExit(f"reference_ab: {key} is a {type(current).__name__}, got {value}")
+        overrides[key] = parsed
     return name, base, overrides
 
 
@@ -78,6 +92,7 @@ def sample(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
 
 def kernel_profile(fn: Callable[[], Any], device: torch.device) -> str:
     fn()
+    torch.cuda.synchronize(device)  # else the profiled call's one host read waits for this call's GPU work
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -102,9 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     old = load_module(ns.old) if ns.old else None
     variants = [("new", reference, {})] + ([("old", old, {})] if old else [])
     for text in ns.variant:
-        base = old if text.startswith("old.") else reference
-        variants.append(parse_variant(text, base))
+        variants.append(parse_variant(text, old if text.startswith("old.") else reference))
+    names = [name for name, _, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"reference_ab: variant names must differ: {names}")
+    unknown = sorted(set(ns.profile) - set(names))
+    if unknown:
+        raise SystemExit(f"reference_ab: --profile names no variant: {unknown} (variants: {names})")
     ns.out.mkdir(parents=True, exist_ok=True)
+    if ns.profile:
+        (ns.out / "profile.txt").write_text("")
     timer = CudaTimer(device, samples=10)
     rows = []
     for case in CASES:
@@ -141,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(ns.out / "profile.txt", "a") as f:
                 f.write(f"== {case.key}: {name}\n{kernel_profile(fns[name], device)}\n")
         rows.append(row)
+        (ns.out / "reference_ab.json").write_text(json.dumps({"cases": rows}, indent=2) + "\n")  # case by case
         del problem, fns
         torch.cuda.empty_cache()
-    (ns.out / "reference_ab.json").write_text(json.dumps({"cases": rows}, indent=2) + "\n")
     return 0
 
 
