@@ -1,18 +1,20 @@
 """Host cost of the fast reference's per-group operations, and of ways to issue them (a benchmark, not a test).
 
-results/h200/2026-12-01/reference-ab found the fast reference host-bound on the H200: the call returns only
-0.04-0.2 ms before its GPU work ends. This probe says which of a group's ~14 launches cost the host most, and
-whether an alternative computing the same values costs less:
+results/h200/2026-12-01/reference-ab found the fast reference host-limited on the H200: the call returns only
+0.04-0.21 ms before its GPU work ends, while the GPU is busy 55-76% of it. This probe says which of a group's
+~14 launches cost the host most, and whether an alternative computing the same values costs less:
 - the products: ``baddbmm(..., out_dtype=float32)`` as the reference calls it, under each BLAS library PyTorch
   offers (``torch.backends.cuda.preferred_blas_library``), and ``bmm(..., out_dtype=float32)``;
 - the gather: advanced indexing (the reference's) and ``index_select`` on the flattened rows, host cost and,
   on CUDA, GPU throughput at a realistic size (a cheaper call must not be a slower copy);
 - the rest of a group: where, the tail's masked_fill_, max(out=), softmax, gather(out=), the hi/lo conversions
   and the halves' sum;
+- hidden waits: where one whole reference call makes the host wait for the GPU (PyTorch's sync debug mode;
+  the lengths' read should be the only place);
 - issuing from threads: the same small operation from 1, 2 and 4 threads, each on its own CUDA stream.
   PyTorch releases the GIL inside an operation, but on the 2-core CPU machine two threads issuing tiny CPU
-  operations took 1.5-4x as long as one in four runs (GIL hand-offs; results/cpu/host_cost_probe.txt), so this is measured
-  before anything relies on it.
+  operations took 1.5-4x as long as one in four runs (GIL hand-offs; results/cpu/host_cost_probe.txt), so
+  this is measured before anything relies on it.
 
 Shapes are small (2 sequences, 16 rows, 64 positions) so the GPU never holds the host back; each line is the
 mean host time of ``--calls`` calls after a warm-up, with the GPU idle before each batch. An alternative's
@@ -27,10 +29,15 @@ import argparse
 import contextlib
 import sys
 import threading
+import warnings
 import time
 from typing import Any, Callable
 
 import torch
+
+from mla_verify.bench import BenchCase
+from mla_verify.generate import build_problem
+from mla_verify.reference import reference_decode
 
 
 def host_us(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
@@ -92,6 +99,24 @@ def gather_gbps(device: torch.device, index_select: bool) -> float:
     return moved / sorted(times)[len(times) // 2] / 1e9
 
 
+def reference_syncs(device: torch.device) -> list[str]:
+    """Where one fast reference call on the B=128, H=128 benchmark problem makes the host wait for the GPU
+    (PyTorch's sync debug mode): the lengths' read should be the only one. Any other would put GPU time on
+    the host's path and make the call's wall time look like host cost."""
+    problem = build_problem(BenchCase(128, 128, 4096, 64).spec(0), device)
+    for _ in range(2):
+        reference_decode(problem, torch.float32, matmul="bf16-split")
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            reference_decode(problem, torch.float32, matmul="bf16-split")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -113,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     both = torch.empty(b, 2, rows, T, dtype=torch.bfloat16, device=device)
     halves = torch.randn(b, 2, rows, L, generator=gen).to(device)
     out = torch.empty(b, rows, L, dtype=f32, device=device)
-    top, top_share = torch.empty(b, rows, 1, dtype=f32, device=device), torch.empty(b, rows, 1, dtype=f32, device=device)
+    top, top_share = (torch.empty(b, rows, 1, dtype=f32, device=device) for _ in range(2))
     top_at = torch.empty(b, rows, 1, dtype=torch.long, device=device)
     positions = torch.arange(T, device=device)
     lens = torch.tensor([[T], [T - 5]], device=device)
@@ -123,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, alpha=0.1, out=scores))
     ops: dict[str, Callable[[], Any]] = {
         "baddbmm out_dtype fp32 (reference)": split,
-        "bmm out_dtype fp32": (lambda: torch.bmm(q, kv.mT, **kw)) if kw else (lambda: torch.bmm(q.float(), kv.float().mT)),
+        "bmm out_dtype fp32": (lambda: torch.bmm(q, kv.mT, **kw)) if kw else
+                              (lambda: torch.bmm(q.float(), kv.float().mT)),
         "index: pool[rows] (reference)": lambda: pool[rows_idx],
         "index_select: pool.index_select(0, rows)": lambda: pool.index_select(0, rows_idx.view(-1)).view(b, T, D),
         "where (rows past the end)": lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]),
-        "masked_fill_ on the tail view": lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, -1e30),
+        "masked_fill_ on the tail view":
+            lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, float("-inf")),
         "max(out=)": lambda: torch.max(scores, -1, keepdim=True, out=(top, top_at)),
         "softmax": lambda: torch.softmax(scores, -1),
         "gather(out=)": lambda: torch.gather(probs, -1, top_at, out=top_share),
@@ -144,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             "index_select: pool.index_select(0, rows)":
                 lambda: bool(torch.equal(ops["index_select: pool.index_select(0, rows)"](), pool[rows_idx])),
             "sum of halves (out=)": lambda: bool(torch.equal(torch.sum(halves, 1), halves[:, 0] + halves[:, 1]))}
-    print(f"# {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}; torch {torch.__version__}; "
           f"{ns.calls} calls each, host microseconds per call")
     for name, fn in ops.items():
         tag = ("  same" if same[name]() else "  DIFFERENT") if name in same else ""
@@ -152,12 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         blas = torch.backends.cuda.preferred_blas_library()
         for library in ("cublas", "cublaslt"):
+            label = f"baddbmm out_dtype fp32 with {library}"
             try:
                 torch.backends.cuda.preferred_blas_library(library)
-                print(f"{'baddbmm out_dtype fp32 with ' + library:45s} {host_us(split, device, ns.calls):8.1f}", flush=True)
+                print(f"{label:45s} {host_us(split, device, ns.calls):8.1f}", flush=True)
             except RuntimeError as exc:
-                print(f"{'baddbmm out_dtype fp32 with ' + library:45s} failed: {str(exc).splitlines()[0]}")
+                print(f"{label:45s} failed: {str(exc).splitlines()[0]}")
         torch.backends.cuda.preferred_blas_library(blas)
+        syncs = reference_syncs(device)
+        print(f"synchronizing operations in one fast reference call (B=128, H=128): {len(syncs)}")
+        for line in syncs:
+            print(f"  {line}")
         print(f"{'gather GB/s (read + write), index':45s} {gather_gbps(device, False):8.0f}", flush=True)
         print(f"{'gather GB/s (read + write), index_select':45s} {gather_gbps(device, True):8.0f}", flush=True)
     total = 40 * ns.calls

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             result = fn()
             first = first or result
             row["variants"][name] = {
-                "same_bits_as_first": bool(torch.equal(result.out, first.out) and torch.equal(result.lse, first.lse)),
+                "same_bits_as_first": torch.equal(result.out, first.out) and torch.equal(result.lse, first.lse),
                 "rel_l2_vs_fp64": float((result.out.double() - exact.out).norm() / exact.out.norm()),
                 "lse_max_abs_vs_fp64": float((result.lse.double() - exact.lse).abs().max()),
                 "wall_ms": [], "issue_ms": []}
