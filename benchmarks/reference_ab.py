@@ -1,12 +1,12 @@
 """A/B timing of reference versions on the issue-2 cases, interleaved in one process (a benchmark, not a test).
 
-The lent GPU's host is noisy (results/h200/2026-12-01/reference-v2: the same code measured 9.1x and 10.3x fa3
-in two runs), so versions are compared round-robin on the same problems, each sample a fresh call, and the
-medians reported side by side with fa3's. A version is this tree's ``mla_verify.reference``, optionally
-another file of the same module (``--old PATH``, e.g. ``git show REV:mla_verify/reference.py``), each with
-module constants overridden (``--variant NAME:CONST=VALUE,...``). Each sample is host wall time from the call
-to the end of its GPU work (the reference reads the lengths on the host, so CUDA graphs do not apply); the
-time until the call returns (``issue ms``) says how much of it the host spent queuing.
+The lent GPU's host is noisy (results/h200/2026-12-01/reference-v2: the same code measured 9.1x and 10.3x fa3 in
+two runs), so versions are compared round-robin on the same problems, each sample a fresh call, and the medians
+reported side by side with fa3's. A version is this tree's ``mla_verify.reference``, optionally another file of
+the same module (``--old PATH``, e.g. ``git show REV:mla_verify/reference.py``), each with module constants
+overridden (``--variant NAME:CONST=VALUE,...``; ``old.NAME:...`` for the ``--old`` file). Each sample is host
+wall time from the call to the end of its GPU work (the reference reads the lengths on the host, so CUDA graphs
+do not apply); the time until the call returns (``issue ms``) says how much of it the host spent queuing.
 
     python benchmarks/reference_ab.py --old old_reference.py --variant ratio08:GROUP_LENGTH_RATIO=0.8 --out DIR
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import json
 import statistics
 import sys
