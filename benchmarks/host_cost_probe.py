@@ -13,8 +13,8 @@ results/h200/2026-12-01/reference-ab found the fast reference host-limited on th
   the lengths' read should be the only place);
 - issuing from threads: the same small operation from 1, 2 and 4 threads, each on its own CUDA stream.
   PyTorch releases the GIL inside an operation, but on the 2-core CPU machine two threads issuing tiny CPU
-  operations took 1.5-4x as long as one in four runs (GIL hand-offs; results/cpu/host_cost_probe.txt), so
-  this is measured before anything relies on it.
+  operations took 2.3-6.4x as long as one in the four runs recorded (GIL hand-offs;
+  results/cpu/host_cost_probe.txt), so this is measured before anything relies on it.
 
 Shapes are small (2 sequences, 16 rows, 64 positions) so the GPU never holds the host back; each line is the
 mean host time of ``--calls`` calls after a warm-up, with the GPU idle before each batch. An alternative's
@@ -29,26 +29,31 @@ import argparse
 import contextlib
 import sys
 import threading
-import warnings
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from mla_verify.bench import BenchCase
+from mla_verify.cli import parse_device, positive_int
 from mla_verify.generate import build_problem
 from mla_verify.reference import reference_decode
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def host_us(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
     fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
-    sync()
+    sync(device)
     return elapsed / calls * 1e6
 
 
@@ -64,15 +69,13 @@ def threads_ms(device: torch.device, threads: int, total: int) -> float:
                 y = torch.add(y, x)
     work(10)
     workers = [threading.Thread(target=work, args=(total // threads,)) for _ in range(threads)]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     for w in workers:
         w.start()
     for w in workers:
         w.join()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -119,13 +122,10 @@ def reference_syncs(device: torch.device) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--device", type=parse_device, default="cuda", help="cuda, cuda:N, or cpu for a dry run")
+    parser.add_argument("--calls", type=positive_int, default=300)
     ns = parser.parse_args(argv)
-    device = torch.device(ns.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("host_cost_probe: no CUDA device visible (use --device cpu for a dry run)", file=sys.stderr)
-        return 2
+    device = ns.device
     gen = torch.Generator(device="cpu").manual_seed(0)
     b, rows, T, D, L, page = 2, 16, 64, 576, 512, 16
     f32 = torch.float32
@@ -146,37 +146,35 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"out_dtype": f32} if device.type == "cuda" else {}
     split = (lambda: torch.baddbmm(scores, q, kv.mT, beta=0, alpha=0.1, out=scores, **kw)) if kw else \
         (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, alpha=0.1, out=scores))
-    ops: dict[str, Callable[[], Any]] = {
-        "baddbmm out_dtype fp32 (reference)": split,
-        "bmm out_dtype fp32": (lambda: torch.bmm(q, kv.mT, **kw)) if kw else
-                              (lambda: torch.bmm(q.float(), kv.float().mT)),
-        "index: pool[rows] (reference)": lambda: pool[rows_idx],
-        "index_select: pool.index_select(0, rows)": lambda: pool.index_select(0, rows_idx.view(-1)).view(b, T, D),
-        "where (rows past the end)": lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]),
-        "masked_fill_ on the tail view":
-            lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, float("-inf")),
-        "max(out=)": lambda: torch.max(scores, -1, keepdim=True, out=(top, top_at)),
-        "softmax": lambda: torch.softmax(scores, -1),
-        "gather(out=)": lambda: torch.gather(probs, -1, top_at, out=top_share),
-        "hi.copy_(probs)": lambda: both[:, 0].copy_(probs),
-        "sub(probs, hi, out=lo)": lambda: torch.sub(probs, both[:, 0], out=both[:, 1]),
-        "sum of halves (out=)": lambda: torch.sum(halves, 1, out=out),
-        "add of halves (out=)": lambda: torch.add(halves[:, 0], halves[:, 1], out=out),
-        "slice": lambda: rows_idx[1:2],
-        "empty": lambda: torch.empty(b, rows, T, dtype=f32, device=device),
-    }
     unscaled = (lambda: torch.baddbmm(scores, q, kv.mT, beta=0, out=scores, **kw)) if kw else \
         (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, out=scores))
-    same = {"bmm out_dtype fp32": lambda: bool(torch.equal(ops["bmm out_dtype fp32"](), unscaled())),
-            "index_select: pool.index_select(0, rows)":
-                lambda: bool(torch.equal(ops["index_select: pool.index_select(0, rows)"](), pool[rows_idx])),
-            "sum of halves (out=)": lambda: bool(torch.equal(torch.sum(halves, 1), halves[:, 0] + halves[:, 1]))}
+    # name, operation, and for an alternative the reference's operation whose result it must match bit for bit
+    ops: list[tuple[str, Callable[[], Any], Callable[[], Any] | None]] = [
+        ("baddbmm out_dtype fp32 (reference)", split, None),
+        ("bmm out_dtype fp32", (lambda: torch.bmm(q, kv.mT, **kw)) if kw else
+                               (lambda: torch.bmm(q.float(), kv.float().mT)), unscaled),
+        ("index: pool[rows] (reference)", lambda: pool[rows_idx], None),
+        ("index_select: pool.index_select(0, rows)",
+         lambda: pool.index_select(0, rows_idx.view(-1)).view(b, T, D), lambda: pool[rows_idx]),
+        ("where (rows past the end)", lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]), None),
+        ("masked_fill_ on the tail view",
+         lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, float("-inf")), None),
+        ("max(out=)", lambda: torch.max(scores, -1, keepdim=True, out=(top, top_at)), None),
+        ("softmax", lambda: torch.softmax(scores, -1), None),
+        ("gather(out=)", lambda: torch.gather(probs, -1, top_at, out=top_share), None),
+        ("hi.copy_(probs)", lambda: both[:, 0].copy_(probs), None),
+        ("sub(probs, hi, out=lo)", lambda: torch.sub(probs, both[:, 0], out=both[:, 1]), None),
+        ("add of halves (out=) (reference)", lambda: torch.add(halves[:, 0], halves[:, 1], out=out), None),
+        ("sum of halves (out=)", lambda: torch.sum(halves, 1, out=out), lambda: halves[:, 0] + halves[:, 1]),
+        ("slice", lambda: rows_idx[1:2], None),
+        ("empty", lambda: torch.empty(b, rows, T, dtype=f32, device=device), None),
+    ]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {name}; torch {torch.__version__}; "
           f"{ns.calls} calls each, host microseconds per call")
-    for name, fn in ops.items():
-        tag = ("  same" if same[name]() else "  DIFFERENT") if name in same else ""
-        print(f"{name:45s} {host_us(fn, device, ns.calls):8.1f}{tag}", flush=True)
+    for label, fn, reference_op in ops:
+        tag = "" if reference_op is None else "  same" if torch.equal(fn(), reference_op()) else "  DIFFERENT"
+        print(f"{label:45s} {host_us(fn, device, ns.calls):8.1f}{tag}", flush=True)
     if device.type == "cuda":
         blas = torch.backends.cuda.preferred_blas_library()
         for library in ("cublas", "cublaslt"):

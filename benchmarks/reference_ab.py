@@ -25,20 +25,30 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_vs_fa3 import CASES, time_fa3  # noqa: E402
+from reference_vs_fa3 import CASES, profile_call, time_fa3  # noqa: E402
 
 from mla_verify import reference  # noqa: E402
 from mla_verify.bench_timing import CudaTimer  # noqa: E402
+from mla_verify.cli import positive_int  # noqa: E402
+from mla_verify.errors import UsageError  # noqa: E402
 from mla_verify.generate import build_problem  # noqa: E402
 from mla_verify.problem import DecodeProblem  # noqa: E402
 
 
 def load_module(path: Path) -> ModuleType:
     """Another version of reference.py, imported under its own name (relative imports made absolute)."""
-    source = path.read_text().replace("from .", "from mla_verify.")
+    try:
+        source = path.read_text().replace("from .", "from mla_verify.")
+    except OSError as exc:
+        raise UsageError(f"--old {path}: {exc.strerror or exc}") from None
     module = ModuleType(f"reference_{path.stem}")
     module.__file__ = str(path)
-    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - a file the caller named
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - a file the caller named
+    except (SyntaxError, ImportError) as exc:
+        raise UsageError(f"--old {path}: not a version of reference.py ({type(exc).__name__}: {exc})") from None
+    if not callable(getattr(module, "reference_decode", None)):
+        raise UsageError(f"--old {path}: defines no reference_decode")
     return module
 
 
@@ -47,21 +57,21 @@ def parse_variant(text: str, base: ModuleType | None) -> tuple[str, ModuleType, 
     a float stands is taken as that float)."""
     name, _, settings = text.partition(":")
     if base is None:
-        raise SystemExit(f"reference_ab: variant {name} names old. but no --old was given")
+        raise UsageError(f"variant {name} names old. but no --old was given")
     overrides = {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
         if not hasattr(base, key):
-            raise SystemExit(f"reference_ab: {base.__name__} has no constant {key}")
+            raise UsageError(f"{base.__name__} has no constant {key}")
         current = getattr(base, key)
         try:
             parsed = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            raise SystemExit(f"reference_ab: {key}={value} is not a Python literal") from None
+            raise UsageError(f"{key}={value} is not a Python literal") from None
         if isinstance(current, float) and type(parsed) is int:
             parsed = float(parsed)
         if type(parsed) is not type(current):
-            raise SystemExit(f"reference_ab: {key} is a {type(current).__name__}, got {value}")
+            raise UsageError(f"{key} is a {type(current).__name__}, got {value}")
         overrides[key] = parsed
     return name, base, overrides
 
@@ -89,14 +99,20 @@ def sample(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
     return (time.perf_counter() - start) * 1e3, (issued - start) * 1e3
 
 
-def kernel_profile(fn: Callable[[], Any], device: torch.device) -> str:
-    fn()
-    torch.cuda.synchronize(device)  # else the profiled call's one host read waits for this call's GPU work
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+def versions(ns: argparse.Namespace) -> list[tuple[str, ModuleType, dict[str, Any]]]:
+    """(name, module, overrides) for ``new``, ``old`` when given, and each --variant; names unique, and every
+    --profile name one of them."""
+    old = load_module(ns.old) if ns.old else None
+    variants = [("new", reference, {})] + ([("old", old, {})] if old else [])
+    for text in ns.variant:
+        variants.append(parse_variant(text, old if text.startswith("old.") else reference))
+    names = [name for name, _, _ in variants]
+    if len(set(names)) != len(names):
+        raise UsageError(f"variant names must differ: {names}")
+    unknown = sorted(set(ns.profile) - set(names))
+    if unknown:
+        raise UsageError(f"--profile names no variant: {unknown} (variants: {names})")
+    return variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,27 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", type=Path, help="another version of mla_verify/reference.py, as 'old'")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:CONST=VALUE,... of this tree's reference (or old.NAME:... of --old)")
-    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--samples", type=positive_int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="append", default=[], help="variant names to profile per case")
     ns = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("reference_ab: needs a CUDA GPU (fa3 and the fast reference run there)", file=sys.stderr)
+    try:
+        variants = versions(ns)
+        if not torch.cuda.is_available():
+            raise UsageError("needs a CUDA GPU (fa3 and the fast reference run there)")
+        ns.out.mkdir(parents=True, exist_ok=True)
+        if ns.profile:
+            (ns.out / "profile.txt").write_text("")
+    except UsageError as exc:
+        print(f"reference_ab: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"reference_ab: --out {ns.out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    old = load_module(ns.old) if ns.old else None
-    variants = [("new", reference, {})] + ([("old", old, {})] if old else [])
-    for text in ns.variant:
-        variants.append(parse_variant(text, old if text.startswith("old.") else reference))
-    names = [name for name, _, _ in variants]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"reference_ab: variant names must differ: {names}")
-    unknown = sorted(set(ns.profile) - set(names))
-    if unknown:
-        raise SystemExit(f"reference_ab: --profile names no variant: {unknown} (variants: {names})")
-    ns.out.mkdir(parents=True, exist_ok=True)
-    if ns.profile:
-        (ns.out / "profile.txt").write_text("")
     timer = CudaTimer(device, samples=10)
     rows = []
     for case in CASES:
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"rel L2 {entry['rel_l2_vs_fp64']:.2e}  same bits {entry['same_bits_as_first']}", flush=True)
         for name in ns.profile:
             with open(ns.out / "profile.txt", "a") as f:
-                f.write(f"== {case.key}: {name}\n{kernel_profile(fns[name], device)}\n")
+                f.write(f"== {case.key}: {name}\n{profile_call(fns[name], device, with_cpu=True, rows=22)}\n")
         rows.append(row)
         (ns.out / "reference_ab.json").write_text(json.dumps({"cases": rows}, indent=2) + "\n")  # case by case
         del problem, fns

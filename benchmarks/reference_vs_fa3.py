@@ -135,15 +135,23 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + ([""] + skipped if skipped else [])) + "\n"
 
 
+def profile_call(fn: Callable[[], Any], device: torch.device, with_cpu: bool = False, rows: int = 15) -> str:
+    """The top operations of one call of ``fn`` by CUDA time, after a warm-up call and a sync (without it the
+    profiled call's one host read would wait for the warm-up's GPU work)."""
+    fn()
+    torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if with_cpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
+
 def profile_fast(spec: ProblemSpec, device: torch.device) -> str:
-    """Where the fast reference's time goes: the top CUDA kernels of one call (after a warm-up)."""
+    """Where the fast reference's time goes: the top CUDA kernels of one call."""
     problem = build_problem(spec, device)
     precision, matmul = PRECISIONS["fast"]
-    reference_decode(problem, precision, matmul=matmul)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        reference_decode(problem, precision, matmul=matmul)
-        torch.cuda.synchronize(device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70)
+    return profile_call(lambda: reference_decode(problem, precision, matmul=matmul), device)
 
 
 def main(argv: list[str] | None = None) -> int:
