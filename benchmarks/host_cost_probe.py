@@ -2,13 +2,15 @@
 
 results/h200/2026-12-01/reference-ab found the fast reference host-limited on the H200: the call returns only
 0.04-0.21 ms before its GPU work ends, while the GPU is busy 55-76% of it. This probe says which of a group's
-~14 launches cost the host most, and whether an alternative computing the same values costs less:
+9 launches (14 before the row index, the mask and the halves' sum moved out of the loop) cost the host most,
+and whether an alternative computing the same values costs less:
 - the products: ``baddbmm(..., out_dtype=float32)`` as the reference calls it, under each BLAS library PyTorch
   offers (``torch.backends.cuda.preferred_blas_library``), and ``bmm(..., out_dtype=float32)``;
-- the gather: advanced indexing (the reference's) and ``index_select`` on the flattened rows, host cost and,
-  on CUDA, GPU throughput at a realistic size (a cheaper call must not be a slower copy);
-- the rest of a group: where, the tail's masked_fill_, max(out=), softmax, gather(out=), the hi/lo conversions
-  and the halves' sum;
+- the gather: advanced indexing by a slice of the whole problem's row index (the reference's), ``embedding``
+  with that slice, and ``index_select`` on flattened rows, host cost and, on CUDA, GPU throughput at a
+  realistic size (a cheaper call must not be a slower copy);
+- the rest of a group: the tail's masked_fill_, max(out=), softmax, gather(out=), the hi/lo conversions; and
+  two operations now issued once a call, not once a group: where, the halves' sum;
 - hidden waits: where one whole reference call makes the host wait for the GPU (PyTorch's sync debug mode;
   the lengths' read should be the only place);
 - issuing from threads: the same small operation from 1, 2 and 4 threads, each on its own CUDA stream.
@@ -27,11 +29,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import sys
 import threading
 import time
 import warnings
 from typing import Any, Callable
+
+from pathlib import Path
 
 import torch
 
@@ -120,6 +126,31 @@ def reference_syncs(device: torch.device) -> list[str]:
     return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught]
 
 
+def reference_host_time(device: torch.device, calls: int = 20, top: int = 28) -> str:
+    """Where one fast reference call on the B=128, H=128 benchmark problem spends its host time: cProfile over
+    ``calls`` calls (each followed by a sync outside the profile), the functions and torch operations with the
+    most time of their own, in microseconds per reference call. cProfile adds ~1 us a Python call."""
+    problem = build_problem(BenchCase(128, 128, 4096, 64).spec(0), device)
+    for _ in range(2):
+        reference_decode(problem, torch.float32, matmul="bf16-split")
+    sync(device)
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        reference_decode(problem, torch.float32, matmul="bf16-split")
+        profiler.disable()
+        sync(device)
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # (file, line, name) -> (cc, nc, tt, ct, ..)
+    total = sum(entry[2] for _, entry in rows) / calls * 1e6
+    lines = [f"host time of one fast reference call (B=128, H=128), cProfile over {calls} calls: {total:.0f} us",
+             f"{'own us':>8} {'calls':>6}  function"]
+    for (path, line, name), (_, ncalls, own, _cum, _callers) in rows[:top]:
+        where = name if path == "~" else f"{Path(path).name}:{line} {name}"
+        lines.append(f"{own / calls * 1e6:8.1f} {ncalls / calls:6.1f}  {where}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", type=parse_device, default="cuda", help="cuda, cuda:N, or cpu for a dry run")
@@ -131,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     f32 = torch.float32
     q = torch.randn(b, rows, D, generator=gen).to(device, torch.bfloat16)
     pool = torch.randn(64 * page, D, generator=gen).to(device, torch.bfloat16)
-    rows_idx = torch.randint(0, pool.shape[0], (b, T), generator=gen).to(device)
+    rows_wide = torch.randint(0, pool.shape[0], (b, 2 * T), generator=gen).to(device)  # the whole problem's
+    rows_idx = rows_wide[:, :T]  # a group's rows: a strided slice, as the reference takes them
+    flat_idx = rows_idx.reshape(-1)  # index_select needs one dimension: a copy of the slice, made here once
     kv = pool[rows_idx]
     scores = torch.empty(b, rows, T, dtype=f32, device=device)
     probs = torch.softmax(torch.randn(b, rows, T, generator=gen).to(device), -1)
@@ -153,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         ("baddbmm out_dtype fp32 (reference)", split, None),
         ("bmm out_dtype fp32", (lambda: torch.bmm(q, kv.mT, **kw)) if kw else
                                (lambda: torch.bmm(q.float(), kv.float().mT)), unscaled),
-        ("index: pool[rows] (reference)", lambda: pool[rows_idx], None),
+        ("index: pool[rows[:, :T]] (reference)", lambda: pool[rows_idx], None),
+        ("embedding(rows[:, :T], pool)", lambda: torch.nn.functional.embedding(rows_idx, pool), lambda: pool[rows_idx]),
         ("index_select: pool.index_select(0, rows)",
-         lambda: pool.index_select(0, rows_idx.view(-1)).view(b, T, D), lambda: pool[rows_idx]),
-        ("where (rows past the end)", lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]), None),
+         lambda: pool.index_select(0, flat_idx).view(b, T, D), lambda: pool[rows_idx]),
+        ("where (rows past the end; once a call)", lambda: torch.where(positions < lens, rows_idx, rows_idx[:, :1]),
+         None),
         ("masked_fill_ on the tail view",
          lambda: scores.view(b, 1, rows, T)[..., T - 8:].masked_fill_(hidden, float("-inf")), None),
         ("max(out=)", lambda: torch.max(scores, -1, keepdim=True, out=(top, top_at)), None),
@@ -164,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gather(out=)", lambda: torch.gather(probs, -1, top_at, out=top_share), None),
         ("hi.copy_(probs)", lambda: both[:, 0].copy_(probs), None),
         ("sub(probs, hi, out=lo)", lambda: torch.sub(probs, both[:, 0], out=both[:, 1]), None),
-        ("add of halves (out=) (reference)", lambda: torch.add(halves[:, 0], halves[:, 1], out=out), None),
+        ("add of halves (out=) (once a call)", lambda: torch.add(halves[:, 0], halves[:, 1], out=out), None),
         ("sum of halves (out=)", lambda: torch.sum(halves, 1, out=out), lambda: halves[:, 0] + halves[:, 1]),
         ("slice", lambda: rows_idx[1:2], None),
         ("empty", lambda: torch.empty(b, rows, T, dtype=f32, device=device), None),
@@ -185,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as exc:
                 print(f"{label:45s} failed: {str(exc).splitlines()[0]}")
         torch.backends.cuda.preferred_blas_library(blas)
+        print(reference_host_time(device), flush=True)
         syncs = reference_syncs(device)
         print(f"synchronizing operations in one fast reference call (B=128, H=128): {len(syncs)}")
         for line in syncs:

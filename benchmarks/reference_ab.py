@@ -4,11 +4,13 @@ The lent GPU's host is noisy (results/h200/2026-12-01/reference-v2: the same cod
 two runs), so versions are compared round-robin on the same problems, each sample a fresh call, and the medians
 reported side by side with fa3's. A version is this tree's ``mla_verify.reference``, optionally another file of
 the same module (``--old PATH``, e.g. ``git show REV:mla_verify/reference.py``), each with module constants
-overridden (``--variant NAME:CONST=VALUE,...``; ``old.NAME:...`` for the ``--old`` file). Each sample is host
+overridden (``--variant NAME:CONST=VALUE,...``; ``old.NAME:...`` for the ``--old`` file), and any further
+file as ``--file NAME=PATH`` (its variants ``NAME.VARIANT:...``). Each sample is host
 wall time from the call to the end of its GPU work (the reference reads the lengths on the host, so CUDA graphs
 do not apply); the time until the call returns (``issue ms``) says how much of it the host spent queuing.
 
     python benchmarks/reference_ab.py --old old_reference.py --variant ratio08:GROUP_LENGTH_RATIO=0.8 --out DIR
+    python benchmarks/reference_ab.py --old old_reference.py --file gather=candidate.py --out DIR
 """
 from __future__ import annotations
 
@@ -52,12 +54,14 @@ def load_module(path: Path) -> ModuleType:
     return module
 
 
-def parse_variant(text: str, base: ModuleType | None) -> tuple[str, ModuleType, dict[str, Any]]:
-    """NAME:CONST=VALUE,... -> (name, module, overrides); a value must keep its constant's type (an int where
-    a float stands is taken as that float)."""
+def parse_variant(text: str, files: dict[str, ModuleType]) -> tuple[str, ModuleType, dict[str, Any]]:
+    """[FILE.]NAME:CONST=VALUE,... -> (name, module, overrides), the module this tree's reference or the named
+    file's; a value must keep its constant's type (an int where a float stands is taken as that float)."""
     name, _, settings = text.partition(":")
-    if base is None:
-        raise UsageError(f"variant {name} names old. but no --old was given")
+    prefix, dot, _ = name.partition(".")
+    if dot and prefix not in files:
+        raise UsageError(f"variant {name} names {prefix}. but no such file was given (files: {sorted(files)})")
+    base = files[prefix] if dot else reference
     overrides = {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
@@ -100,12 +104,17 @@ def sample(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
 
 
 def versions(ns: argparse.Namespace) -> list[tuple[str, ModuleType, dict[str, Any]]]:
-    """(name, module, overrides) for ``new``, ``old`` when given, and each --variant; names unique, and every
-    --profile name one of them."""
-    old = load_module(ns.old) if ns.old else None
-    variants = [("new", reference, {})] + ([("old", old, {})] if old else [])
+    """(name, module, overrides) for ``new``, ``old`` when given, each --file and each --variant; names unique,
+    and every --profile name one of them."""
+    files = {"old": load_module(ns.old)} if ns.old else {}
+    for text in ns.file:
+        name, equals, path = text.partition("=")
+        if not equals or not name.isidentifier() or name in files or name == "new":
+            raise UsageError(f"--file {text}: want NAME=PATH, NAME a new identifier other than new and old")
+        files[name] = load_module(Path(path))
+    variants = [("new", reference, {})] + [(name, module, {}) for name, module in files.items()]
     for text in ns.variant:
-        variants.append(parse_variant(text, old if text.startswith("old.") else reference))
+        variants.append(parse_variant(text, files))
     names = [name for name, _, _ in variants]
     if len(set(names)) != len(names):
         raise UsageError(f"variant names must differ: {names}")
@@ -119,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--old", type=Path, help="another version of mla_verify/reference.py, as 'old'")
+    parser.add_argument("--file", action="append", default=[],
+                        help="NAME=PATH: a further version of mla_verify/reference.py, as NAME")
     parser.add_argument("--variant", action="append", default=[],
-                        help="NAME:CONST=VALUE,... of this tree's reference (or old.NAME:... of --old)")
+                        help="NAME:CONST=VALUE,... of this tree's reference (or FILE.NAME:... of --old / --file)")
     parser.add_argument("--samples", type=positive_int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="append", default=[], help="variant names to profile per case")

@@ -2,10 +2,14 @@
 
 Sequences are sorted by length and processed in groups, each gathered to its own longest length, so
 padding is small (on GPUs a group keeps to 70% of its longest once it holds 384 MiB of work) and work memory
-is bounded by ``chunk_bytes`` (by default twice the cache bytes the problem reads, not B x max_seq_len).
+is bounded by ``chunk_bytes`` (by default twice the cache bytes the problem reads, not B x max_seq_len) and the
+whole problem's row index and causal mask (8 + q_len bytes per sequence and position up to the longest, about
+1% of a bf16 cache row's 1152 bytes).
 Each group is exact attention -- one softmax over the whole row, no split-KV merging -- so the reference
-stays simple. The lengths are the only values read back to the host, once; on an H200 the wall time was
-1.3-1.8x the kernels' own time, the rest the host launching ~15 operations per group.
+stays simple. The lengths are the only values read back to the host, once. What does not depend on the group
+(the row index, the causal mask, the halves' sum) is made once for the whole problem, so a group issues nine
+operations: on an H200 the call's GPU work is 5.4-6.9x fa3's time and the host's issuing brings it to
+7.6-10.2x (results/h200/2026-12-01/reference-ab2).
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
 products of bf16/fp8 inputs are exact and the accumulation error stays below ~4e-6 relative up to T = 16k
@@ -26,14 +30,17 @@ from .errors import UsageError
 from .problem import DecodeProblem
 
 LN2 = math.log(2.0)
-DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps; the default is 2x the cache bytes read
+DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps on the default work memory per group:
+CHUNK_OVER_CACHE = 2  # times the cache bytes the problem reads (peaks 1.0-2.1x them: h200/2026-12-01/reference-ab2)
 MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # A group ends where the next sequence (in whole pages) is shorter than this fraction of the group's longest,
 # so padding stays under 30% of a group's rows (~15% for evenly spread lengths; grouping by memory alone
 # padded the benchmark cases to 1.4-1.7x their tokens) -- unless the group still holds under MIN_GROUP_BYTES
-# of work memory: a group costs ~15 launches of host time (~12 us each on the H200's host,
-# results/h200/2026-12-01/reference-v2/host_probe.txt), so padding a small group is cheaper than another one.
+# of work memory: a group costs nine launches of host time (~15-50 us each with its views on the H200's host,
+# results/h200/2026-12-01/reference-ab2/run4/host_cost.txt), so padding a small group is cheaper than another one.
+# (Letting a group also take every shorter sequence whose own group would hold under that floor, tail.patch in
+# reference-ab2, helped B=64 by 18% on a slow host and did nothing or hurt, by up to 9%, on two faster ones.)
 # (On CPUs the chunk cap, 256 MiB, is below the floor: groups there are bounded by memory alone.)
 GROUP_LENGTH_RATIO = 0.7
 MIN_GROUP_BYTES = 384 << 20
@@ -81,42 +88,50 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     B, Q, H, D = p.query.shape
     page = p.page_size
     itemsize = precision.itemsize
-    # the only host read: the lengths decide the groups. Everything after is queued without waiting on the GPU.
-    lens = sorted(p.seq_lens.tolist(), reverse=True)
+    # the problem in length order; the only host read: the sorted lengths decide the groups. Everything after
+    # is queued without waiting on the GPU.
+    seq_lens, longest_first = torch.sort(p.seq_lens, descending=True, stable=True)
+    lens = seq_lens.tolist()
     if chunk_bytes is None:
         chunk_bytes = _default_chunk_bytes(p, sum(lens))
     # per gathered token: the gathered row, its converted copy (fp8 to bf16, or to ``precision``), and
     # scores, probabilities and their temporaries for every (query token, head)
     converted = 0 if p.kv_cache.dtype == operand else D * operand.itemsize
     bytes_per_token = D * p.kv_cache.element_size() + converted + 4 * Q * H * itemsize
-    # the problem in length order, once: each group is then a slice of it, not an indexing op per group
-    # (on a GPU every operation also costs ~12 us of host time, hence shapes made once, here)
-    seq_lens, longest_first = torch.sort(p.seq_lens, descending=True, stable=True)  # the order of ``lens``
-    seq_lens = seq_lens[:, None]
-    page_rows = p.block_table[longest_first].long() * page  # each page's first row in the flattened cache
+    # Everything that does not depend on the group is made here, once, for the whole problem in length order:
+    # on a GPU every operation costs host time (~12-50 us, docs/reference.md), so a group issues only its own
+    # nine (gather, two products, mask, max, softmax, the top's share, the two bf16 halves)
+    longest = _whole_pages(lens[0], page)  # at least one page: lens >= 1
+    positions = torch.arange(longest, device=p.device)
+    # [B, Q, 1, longest]: the positions query token i must not see (it sees seq_len - Q + i and before)
+    hidden = positions >= (seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device))[:, :, None, None]
+    rows = _cache_rows(p.block_table[longest_first, :longest // page], hidden[:, -1, 0], positions[:page], page)
     queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
-    positions = torch.arange(_whole_pages(lens[0], page), device=p.device)  # at least one page: lens >= 1
     cache_rows = p.kv_cache.flatten(0, 1)  # a copy only for a pool whose pages cannot merge: once, here
-    # [B, Q, 1, 1]: the first position query token i must not see (it sees seq_len - Q + i and before)
-    hidden_from = (seq_lens + torch.arange(1 - Q, 1, device=p.device))[:, :, None, None]
-    # what each group writes: out without bmm2_scale, each row's top score and that score's share of the sum
-    # (exp(0) / sum); scale and lse are then applied to all groups at once
-    out = torch.empty((B, Q * H, L), dtype=precision, device=p.device)
+    # what each group writes: out (in split mode its two halves' products, summed once at the end), each row's
+    # top score, where it is and its share of the sum (exp(0) / sum); the sum and the lse are then made for all
+    # groups at once
+    halves = split and p_dtype is None
+    out = torch.empty((B, (1 + halves) * Q * H, L), dtype=precision, device=p.device)
     top = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
     top_share = torch.empty_like(top)
+    top_at = torch.empty(top.shape, dtype=torch.long, device=p.device)
     with _no_tf32():
         for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
-            kv = _gather_rows(cache_rows, page_rows[group, :tokens // page, None], seq_lens[group], positions, page)
+            # embedding = index_select on the slice made contiguous: indexing by the strided slice itself ran
+            # a generic kernel 2-2.6x slower on the H200 (results/h200/2026-12-01/reference-ab2)
+            kv = torch.nn.functional.embedding(rows[group, :tokens], cache_rows)
             # positions before the group's shortest sequence's first causal limit are visible to every token
             first_hidden = lens[stop - 1] - Q + 1  # >= 1: validation keeps seq_len >= q_len
-            _attend(p, queries[group], kv.to(operand), hidden_from[group], positions[first_hidden:tokens], p_dtype,
-                    split, (out[group], top[group], top_share[group]))
+            _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
+                    (out[group], top[group], top_share[group], top_at[group]))
     lse = top.sub_(top_share.log_())
-    out.mul_(p.bmm2_scale)
+    if halves:
+        out = out[:, :Q * H].add_(out[:, Q * H:])
 
     def unsorted(x: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(x).index_copy_(0, longest_first, x)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device).index_copy_(0, longest_first, x)
     return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H))
 
 
@@ -124,13 +139,14 @@ def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
     """(start, stop, tokens) per group of the longest-first ``lens``: ``tokens`` is the group's longest length
     in whole pages; a group fits ``chunk_bytes`` (at least one sequence) and keeps to GROUP_LENGTH_RATIO of
     its longest once it holds MIN_GROUP_BYTES."""
+    padded = [_whole_pages(n, page) for n in lens]
     start = 0
     while start < len(lens):
-        tokens = _whole_pages(lens[start], page)
+        tokens = padded[start]
         fits = max(1, chunk_bytes // (tokens * bytes_per_token))
         stop = start + 1
         while stop < len(lens) and stop - start < fits and (
-                _whole_pages(lens[stop], page) >= GROUP_LENGTH_RATIO * tokens
+                padded[stop] >= GROUP_LENGTH_RATIO * tokens
                 or (stop - start) * tokens * bytes_per_token < MIN_GROUP_BYTES):
             stop += 1
         yield start, stop, tokens
@@ -148,18 +164,20 @@ def fast_matmul_mode(problem: DecodeProblem) -> str:
 
 
 def _default_chunk_bytes(p: DecodeProblem, tokens: int) -> int:
-    """Work memory per chunk: twice the cache bytes the problem reads, within [64 MiB, cap]."""
+    """Work memory per chunk: CHUNK_OVER_CACHE times the cache bytes the problem reads, within [64 MiB, cap]."""
     cache_bytes = tokens * p.kv_cache.shape[-1] * p.kv_cache.element_size()
     cap = DEFAULT_CHUNK_BYTES["cuda" if p.device.type == "cuda" else "cpu"]
-    return max(64 << 20, min(cap, 2 * cache_bytes))
+    return max(64 << 20, min(cap, CHUNK_OVER_CACHE * cache_bytes))
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0) -> torch.Tensor:
-    """alpha * (a @ b); in split mode bf16 operands with fp32 accumulation and an fp32 result. On CUDA alpha
-    rides in the product's epilogue instead of costing a pass over the scores."""
+def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """alpha * (a @ b), into ``out`` if given; in split mode bf16 operands with fp32 accumulation and an fp32
+    result. On CUDA alpha rides in the product's epilogue instead of costing a pass over the scores."""
     if a.is_cuda:
         dtype = torch.float32 if split else a.dtype
-        out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype, device=a.device)
+        if out is None:
+            out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype, device=a.device)
         try:  # beta=0 with out= its own input: the uninitialised buffer is neither read nor copied
             return torch.baddbmm(out, a, b, beta=0, alpha=alpha, out=out, **({"out_dtype": dtype} if split else {}))
         except (TypeError, NotImplementedError):  # a PyTorch without out_dtype: same numbers, slower
@@ -167,65 +185,60 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, split: bool, alpha: float = 1.0) -> t
     if split:
         a, b = a.float(), b.float()
     # CPU: bmm then the scale (the chunking tests' results moved in the last bit with baddbmm, not with bmm)
-    out = torch.bmm(a, b)
+    out = torch.bmm(a, b, out=out)
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
-def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden_from: torch.Tensor, tail: torch.Tensor,
-            p_dtype: torch.dtype | None, split: bool, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-    """Exact attention of one group, q [b, Q*H, D] over kv [b, T, D], written ``into`` (out [b, Q*H, L] without
-    bmm2_scale, each row's top score, that score's probability) -- no copies, each result lands in place.
+def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden: torch.Tensor, p_dtype: torch.dtype | None,
+            split: bool, into: tuple[torch.Tensor, ...]) -> None:
+    """Exact attention of one group, q [b, Q*H, D] over kv [b, T, D], written ``into`` (out, bmm2_scale applied:
+    [b, Q*H, L], or in split mode [b, 2*Q*H, L], the products of the probabilities' two bf16 halves; each row's
+    top score; that score's probability; where the top score is) -- no copies, each result lands in place.
 
-    ``hidden_from`` [b, Q, 1, 1]: the first position each query token must not see; ``tail``: the positions
-    that may be hidden for some token of the group (the rest are visible to all)."""
-    out, top, top_share = into
+    ``hidden`` [b, Q, 1, tail]: which of the last ``tail`` positions each query token must not see (the
+    positions before them are visible to all)."""
+    out, top, top_share, at = into
     b, rows, _ = q.shape
     T = kv.shape[1]
     scores = _bmm(q, kv.transpose(1, 2), split, alpha=p.bmm1_scale)
-    hidden = tail >= hidden_from  # [b, Q, 1, len(tail)]
-    scores.view(b, p.q_len, -1, T)[..., T - tail.numel():].masked_fill_(hidden, float("-inf"))
-    at = torch.empty(top.shape, dtype=torch.long, device=q.device)
+    scores.view(b, p.q_len, -1, T)[..., T - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
     torch.max(scores, -1, keepdim=True, out=(top, at))
     values = kv[..., :p.dims.kv_lora_rank]
     if p_dtype is None:
         probs = torch.softmax(scores, dim=-1)
         torch.gather(probs, -1, at, out=top_share)
-        _probs_times_values(probs, values, split, out)
+        _probs_times_values(probs, values, split, p.bmm2_scale, out)
     else:
         unnormalized = scores.sub_(top).exp_()
         denominator = unnormalized.sum(-1, keepdim=True)
         torch.reciprocal(denominator, out=top_share)
         rounded = unnormalized.to(p_dtype).to(values.dtype)
-        torch.div(_bmm(rounded, values, split), denominator, out=out)
+        torch.div(_bmm(rounded, values, split, alpha=p.bmm2_scale), denominator, out=out)
 
 
-def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, out: torch.Tensor) -> None:
-    """out = probs @ values; in split mode probs = hi + lo in bf16 (to 2^-17), both halves in one product."""
+def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, scale: float,
+                        out: torch.Tensor) -> None:
+    """out = scale * probs @ values; in split mode probs = hi + lo in bf16 (to 2^-17), both halves in one
+    product whose two halves ``out`` [b, 2 * rows, L] receives (the caller sums them)."""
     if not split:
-        torch.bmm(probs, values, out=out)
+        _bmm(probs, values, split, alpha=scale, out=out)
         return
     b, rows, T = probs.shape
     both = torch.empty((b, 2 * rows, T), dtype=torch.bfloat16, device=probs.device)
     hi, lo = both[:, :rows], both[:, rows:]
     hi.copy_(probs)
     torch.sub(probs, hi, out=lo)  # exact in fp32, rounded once to bf16
-    halves = _bmm(both, values, split)
-    torch.add(halves[:, :rows], halves[:, rows:], out=out)
+    _bmm(both, values, split, alpha=scale, out=out)
 
 
-def _gather_rows(cache_rows: torch.Tensor, page_rows: torch.Tensor, lens: torch.Tensor, positions: torch.Tensor,
-                 page: int) -> torch.Tensor:
-    """[b, T, D] rows of the flattened cache ``cache_rows`` [pages * page, D], in order, for the sequences whose
-    pages start at rows ``page_rows`` [b, T / page, 1] and that hold ``lens`` [b, 1] tokens. Positions past a
-    sequence's end read that sequence's first row instead: finite, and masked out of the scores, so a
-    NaN-poisoned tail can neither leak (0 * NaN) nor be followed through a padding entry. (A page-at-a-time
-    gather moves bytes faster but must then zero those rows: measured slower on all three benchmark cases,
-    docs/gpu_results.md.)"""
-    b, npages, _ = page_rows.shape
-    T = npages * page
-    rows = (page_rows + positions[:page]).view(b, T)
-    rows = torch.where(positions[:T] < lens, rows, rows[:, :1])
-    return cache_rows[rows]
+def _cache_rows(pages: torch.Tensor, past_end: torch.Tensor, in_page: torch.Tensor, page: int) -> torch.Tensor:
+    """[b, T] rows of the flattened cache [pages * page, D], in order, for the sequences whose first T / page
+    pages are ``pages`` [b, T / page] (``in_page``: 0 .. page - 1). Positions past a sequence's end (``past_end``
+    [b, T]) read that sequence's first row instead: finite, and masked out of the scores, so a NaN-poisoned tail
+    can neither leak (0 * NaN) nor be followed through a padding entry. (A page-at-a-time gather moves bytes
+    faster but must then zero those rows: measured slower on all three benchmark cases, docs/gpu_results.md.)"""
+    rows = torch.add(in_page, pages[:, :, None], alpha=page).view(past_end.shape)
+    return torch.where(past_end, rows[:, :1], rows)
 
 
 @contextlib.contextmanager
