@@ -39,8 +39,10 @@ EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # padded the benchmark cases to 1.4-1.7x their tokens) -- unless the group still holds under MIN_GROUP_BYTES
 # of work memory: a group costs nine launches of host time (~15-50 us each with its views on the H200's host,
 # results/h200/2026-12-01/reference-ab2/run4/host_cost.txt), so padding a small group is cheaper than another one.
-# (Letting a group also take every shorter sequence whose own group would hold under that floor, tail.patch in
-# reference-ab2, helped B=64 by 18% on a slow host and did nothing or hurt, by up to 9%, on two faster ones.)
+# A group also takes every sequence left when they fit in it and would hold under the floor as a group of
+# their own: one group's launches saved for a little padding (reference-ab2 run 6: B=64 -10%, B=512 +4%, B=128
+# unchanged). Without the "fit" condition (tail.patch) the chunk then cut such a group short, and B=128 got
+# padding and no fewer groups.
 # (On CPUs the chunk cap, 256 MiB, is below the floor: groups there are bounded by memory alone.)
 GROUP_LENGTH_RATIO = 0.7
 MIN_GROUP_BYTES = 384 << 20
@@ -138,16 +140,19 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
 def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
     """(start, stop, tokens) per group of the longest-first ``lens``: ``tokens`` is the group's longest length
     in whole pages; a group fits ``chunk_bytes`` (at least one sequence) and keeps to GROUP_LENGTH_RATIO of
-    its longest once it holds MIN_GROUP_BYTES."""
+    its longest once it holds MIN_GROUP_BYTES, unless it can take all the sequences left and they would hold
+    under MIN_GROUP_BYTES on their own."""
     padded = [_whole_pages(n, page) for n in lens]
     start = 0
     while start < len(lens):
         tokens = padded[start]
         fits = max(1, chunk_bytes // (tokens * bytes_per_token))
         stop = start + 1
+        room = len(lens) - start <= fits  # this group could take every sequence left
         while stop < len(lens) and stop - start < fits and (
                 padded[stop] >= GROUP_LENGTH_RATIO * tokens
-                or (stop - start) * tokens * bytes_per_token < MIN_GROUP_BYTES):
+                or (stop - start) * tokens * bytes_per_token < MIN_GROUP_BYTES
+                or room and (len(lens) - stop) * padded[stop] * bytes_per_token < MIN_GROUP_BYTES):
             stop += 1
         yield start, stop, tokens
         start = stop

@@ -133,6 +133,20 @@ def test_length_groups_do_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(whole.lse, grouped.lse)
 
 
+def test_a_group_takes_a_small_rest_only_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # page 1 and one byte a token, so lengths are bytes: after [1000, 900] the rest (100, 20, 10) would form two
+    # groups under the 100-byte floor ([100] | [20, 10]). The group of 100 takes them all when its chunk has
+    # room for every sequence left (one group's launches saved). With room for only two (a 200-byte chunk) it
+    # takes none: taking 20 would leave 10 alone, a group saved nowhere and padding added.
+    monkeypatch.setattr(reference, "MIN_GROUP_BYTES", 100)
+    lens = [1000, 900, 100, 20, 10]
+
+    def groups(chunk_bytes: int) -> list[list[int]]:
+        return [lens[start:stop] for start, stop, _ in reference._groups(lens, 1, 1, chunk_bytes)]
+    assert groups(1 << 40) == [[1000, 900], [100, 20, 10]]
+    assert groups(200) == [[1000], [900], [100], [20, 10]]
+
+
 def test_tf32_set_through_the_new_api_is_overridden_and_restored() -> None:
     # PyTorch >= 2.9 raises when the legacy allow_tf32 flag is read after fp32_precision was set; the reference
     # must neither crash on that nor leave its own setting behind
