@@ -8,7 +8,7 @@ whole problem's row index and causal mask (8 + q_len bytes per sequence and posi
 Each group is exact attention -- one softmax over the whole row, no split-KV merging -- so the reference
 stays simple. The lengths are the only values read back to the host, once. What does not depend on the group
 (the row index, the causal mask, the halves' sum) is made once for the whole problem, so a group issues nine
-operations: on an H200 the call's GPU work is 5.4-6.9x fa3's time and the host's issuing brings it to
+operations: on an H200 the call's GPU work is 5.3-6.9x fa3's time and the host's issuing brings it to
 7.6-10.2x (results/h200/2026-12-01/reference-ab2).
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
@@ -31,7 +31,7 @@ from .problem import DecodeProblem
 
 LN2 = math.log(2.0)
 DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps on the default work memory per group:
-CHUNK_OVER_CACHE = 2  # times the cache bytes the problem reads (peaks 1.0-2.1x them: h200/2026-12-01/reference-ab2)
+CHUNK_OVER_CACHE = 2  # times the cache bytes the problem reads (peaks 1.0-2.0x them: h200/2026-12-01/reference-ab2)
 MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # A group ends where the next sequence (in whole pages) is shorter than this fraction of the group's longest,
@@ -122,7 +122,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
         for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
             # embedding = index_select on the slice made contiguous: indexing by the strided slice itself ran
-            # a generic kernel 2-2.6x slower on the H200 (results/h200/2026-12-01/reference-ab2)
+            # a generic kernel, about 2.5x slower on the H200 (results/h200/2026-12-01/reference-ab2)
             kv = torch.nn.functional.embedding(rows[group, :tokens], cache_rows)
             # positions before the group's shortest sequence's first causal limit are visible to every token
             first_hidden = lens[stop - 1] - Q + 1  # >= 1: validation keeps seq_len >= q_len
