@@ -35,9 +35,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable
-
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -108,19 +107,29 @@ def gather_gbps(device: torch.device, index_select: bool) -> float:
     return moved / sorted(times)[len(times) // 2] / 1e9
 
 
+def warm_fast_reference(device: torch.device) -> Callable[[], Any]:
+    """One fast reference call on the B=128, H=128 benchmark problem, as a callable, after two warm-up calls
+    and a sync."""
+    problem = build_problem(BenchCase(128, 128, 4096, 64).spec(0), device)
+
+    def call() -> Any:
+        return reference_decode(problem, torch.float32, matmul="bf16-split")
+    for _ in range(2):
+        call()
+    sync(device)
+    return call
+
+
 def reference_syncs(device: torch.device) -> list[str]:
     """Where one fast reference call on the B=128, H=128 benchmark problem makes the host wait for the GPU
     (PyTorch's sync debug mode): the lengths' read should be the only one. Any other would put GPU time on
     the host's path and make the call's wall time look like host cost."""
-    problem = build_problem(BenchCase(128, 128, 4096, 64).spec(0), device)
-    for _ in range(2):
-        reference_decode(problem, torch.float32, matmul="bf16-split")
-    torch.cuda.synchronize(device)
+    call = warm_fast_reference(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            reference_decode(problem, torch.float32, matmul="bf16-split")
+            call()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught]
@@ -130,14 +139,11 @@ def reference_host_time(device: torch.device, calls: int = 20, top: int = 28) ->
     """Where one fast reference call on the B=128, H=128 benchmark problem spends its host time: cProfile over
     ``calls`` calls (each followed by a sync outside the profile), the functions and torch operations with the
     most time of their own, in microseconds per reference call. cProfile adds ~1 us a Python call."""
-    problem = build_problem(BenchCase(128, 128, 4096, 64).spec(0), device)
-    for _ in range(2):
-        reference_decode(problem, torch.float32, matmul="bf16-split")
-    sync(device)
+    call = warm_fast_reference(device)
     profiler = cProfile.Profile()
     for _ in range(calls):
         profiler.enable()
-        reference_decode(problem, torch.float32, matmul="bf16-split")
+        call()
         profiler.disable()
         sync(device)
     stats = pstats.Stats(profiler)

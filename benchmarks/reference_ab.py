@@ -37,20 +37,21 @@ from mla_verify.generate import build_problem  # noqa: E402
 from mla_verify.problem import DecodeProblem  # noqa: E402
 
 
-def load_module(path: Path) -> ModuleType:
-    """Another version of reference.py, imported under its own name (relative imports made absolute)."""
+def load_module(path: Path, option: str) -> ModuleType:
+    """Another version of reference.py, imported under its own name (relative imports made absolute); errors
+    name the ``option`` that gave the path."""
     try:
         source = path.read_text().replace("from .", "from mla_verify.")
     except OSError as exc:
-        raise UsageError(f"--old {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{option} {path}: {exc.strerror or exc}") from None
     module = ModuleType(f"reference_{path.stem}")
     module.__file__ = str(path)
     try:
         exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - a file the caller named
     except (SyntaxError, ImportError) as exc:
-        raise UsageError(f"--old {path}: not a version of reference.py ({type(exc).__name__}: {exc})") from None
+        raise UsageError(f"{option} {path}: not a version of reference.py ({type(exc).__name__}: {exc})") from None
     if not callable(getattr(module, "reference_decode", None)):
-        raise UsageError(f"--old {path}: defines no reference_decode")
+        raise UsageError(f"{option} {path}: defines no reference_decode")
     return module
 
 
@@ -106,12 +107,12 @@ def sample(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
 def versions(ns: argparse.Namespace) -> list[tuple[str, ModuleType, dict[str, Any]]]:
     """(name, module, overrides) for ``new``, ``old`` when given, each --file and each --variant; names unique,
     and every --profile name one of them."""
-    files = {"old": load_module(ns.old)} if ns.old else {}
+    files = {"old": load_module(ns.old, "--old")} if ns.old else {}
     for text in ns.file:
         name, equals, path = text.partition("=")
-        if not equals or not name.isidentifier() or name in files or name == "new":
+        if not equals or not path or not name.isidentifier() or name in files or name == "new":
             raise UsageError(f"--file {text}: want NAME=PATH, NAME a new identifier other than new and old")
-        files[name] = load_module(Path(path))
+        files[name] = load_module(Path(path), "--file")
     variants = [("new", reference, {})] + [(name, module, {}) for name, module in files.items()]
     for text in ns.variant:
         variants.append(parse_variant(text, files))

@@ -3,8 +3,8 @@
 Sequences are sorted by length and processed in groups, each gathered to its own longest length, so
 padding is small (on GPUs a group keeps to 70% of its longest once it holds 384 MiB of work) and work memory
 is bounded by ``chunk_bytes`` (by default twice the cache bytes the problem reads, not B x max_seq_len) and the
-whole problem's row index and causal mask (8 + q_len bytes per sequence and position up to the longest, about
-1% of a bf16 cache row's 1152 bytes).
+whole problem's row index and causal mask (8 + q_len bytes per sequence and position up to the longest, against
+1152 bytes per cached bf16 row).
 Each group is exact attention -- one softmax over the whole row, no split-KV merging -- so the reference
 stays simple. The lengths are the only values read back to the host, once. What does not depend on the group
 (the row index, the causal mask, the halves' sum) is made once for the whole problem, so a group issues nine
@@ -40,8 +40,8 @@ EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # of work memory: a group costs nine launches of host time (~15-50 us each with its views on the H200's host,
 # results/h200/2026-12-01/reference-ab2/run4/host_cost.txt), so padding a small group is cheaper than another one.
 # A group also takes every sequence left when they fit in it and would hold under the floor as a group of
-# their own: one group's launches saved for a little padding (reference-ab2 run 6: B=64 -10%, B=512 +4%, B=128
-# unchanged). Without the "fit" condition (tail.patch) the chunk then cut such a group short, and B=128 got
+# their own: one group's launches saved for a little padding (reference-ab2 run 6: B=64 -10%, B=512 +4%, B=128's
+# groups unchanged). Without the "fit" condition (tail.patch) the chunk then cut such a group short, and B=128 got
 # padding and no fewer groups.
 # (On CPUs the chunk cap, 256 MiB, is below the floor: groups there are bounded by memory alone.)
 GROUP_LENGTH_RATIO = 0.7
@@ -114,7 +114,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     # top score, where it is and its share of the sum (exp(0) / sum); the sum and the lse are then made for all
     # groups at once
     halves = split and p_dtype is None
-    out = torch.empty((B, (1 + halves) * Q * H, L), dtype=precision, device=p.device)
+    out = torch.empty((B, 2 * Q * H if halves else Q * H, L), dtype=precision, device=p.device)
     top = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
     top_share = torch.empty_like(top)
     top_at = torch.empty(top.shape, dtype=torch.long, device=p.device)
@@ -132,7 +132,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     if halves:
         out = out[:, :Q * H].add_(out[:, Q * H:])
 
-    def unsorted(x: torch.Tensor) -> torch.Tensor:
+    def unsorted(x: torch.Tensor) -> torch.Tensor:  # x may be a view of the halves' buffer: a new, dense tensor
         return torch.empty(x.shape, dtype=x.dtype, device=x.device).index_copy_(0, longest_first, x)
     return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H))
 

@@ -178,6 +178,26 @@ def test_float32_precision_within_documented_bound(seq_len: int) -> None:
     assert float(lse_err.max()) < 1e-5
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1 << 16], ids=["one-group", "groups"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_fast_mode_within_its_bound(chunk_bytes: int | None, dtype: str) -> None:
+    # The GPU harness's mode (bf16 products, fp32 sums, probabilities as two bf16 halves summed after the
+    # product), here on CPU so CI runs its code path: a 64 KiB chunk makes several groups, and bmm2 is 0.75
+    # (2.25 for fp8). Bound 3e-5 (2^-15): the halves hold each probability to 2^-17 and the fp32 sums over <= 304
+    # positions add ~1e-6; measured 2.0e-6 and 2.2e-6. Dropping the low half gives 1.4e-3.
+    extra = {"q_scale": 0.25, "k_scale": 3.0} if dtype == "fp8" else {}
+    spec = ProblemSpec(seq_lens=(300, 3, 129, 64, 65, 17, 200), q_len=3, num_heads=8, page_size=16, dtype=dtype,
+                       table_pad=2, extra_pages=3, bmm2_extra=0.75, seed=7, **extra)
+    p = build_problem(spec)
+    exact = reference_decode(p)
+    fast = reference_decode(p, torch.float32, chunk_bytes=chunk_bytes, matmul="bf16-split")
+    assert fast.out.dtype == torch.float32
+    assert float((fast.out.double() - exact.out).norm() / exact.out.norm()) < 3e-5
+    # an fp32 LSE of magnitude m is held to ~m * 2^-24 (as in the float32 test above)
+    lse_err = (fast.lse.double() - exact.lse).abs() / exact.lse.abs().clamp(min=1.0)
+    assert float(lse_err.max()) < 1e-5
+
+
 # -- the checks have teeth -------------------------------------------------------------------------------
 
 WRONG_SCALE = 1 / math.sqrt(576)  # the classic MLA bug: the absorbed row width instead of nope + rope
