@@ -6,6 +6,8 @@ results/h200/2026-12-01/reference-ab found the fast reference host-limited on th
 and whether an alternative computing the same values costs less:
 - the products: ``baddbmm(..., out_dtype=float32)`` as the reference calls it, under each BLAS library PyTorch
   offers (``torch.backends.cuda.preferred_blas_library``), and ``bmm(..., out_dtype=float32)``;
+- the lengths' read: the GPU sort and ``tolist`` (the reference's), against reading them unsorted, ordering them
+  in Python and uploading the order, from pageable or pinned memory;
 - the gather: advanced indexing by a slice of the whole problem's row index (the reference's), ``embedding``
   with that slice, and ``index_select`` on flattened rows, host cost and, on CUDA, GPU throughput at a
   realistic size (a cheaper call must not be a slower copy);
@@ -182,6 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     positions = torch.arange(T, device=device)
     lens = torch.tensor([[T], [T - 5]], device=device)
     hidden = positions[T - 8:] >= lens[:, None, None]
+    seq_lens = torch.randint(1, 4097, (128,), generator=gen, dtype=torch.int32).to(device)  # B=128's
+    pin = device.type == "cuda"
+
+    def read_order(pinned: bool) -> torch.Tensor:  # the lengths read, ordered on the host, the order uploaded
+        given = seq_lens.tolist()
+        order = sorted(range(len(given)), key=given.__getitem__, reverse=True)
+        return torch.tensor(order + [given[i] for i in order], pin_memory=pinned).to(device, non_blocking=pinned)
+
+    def cpu_order(pinned: bool) -> torch.Tensor:  # the same with the lengths copied, and sorted by torch on the host
+        ordered, order = torch.sort(seq_lens.cpu(), descending=True, stable=True)
+        ordered.tolist()
+        staged = torch.cat((order, ordered.long()))
+        return (staged.pin_memory() if pinned else staged).to(device, non_blocking=pinned)
     kw = {"out_dtype": f32} if device.type == "cuda" else {}
     split = (lambda: torch.baddbmm(scores, q, kv.mT, beta=0, alpha=0.1, out=scores, **kw)) if kw else \
         (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, alpha=0.1, out=scores))
@@ -189,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         (lambda: torch.baddbmm(scores, q.float(), kv.float().mT, beta=0, out=scores))
     # name, operation, and for an alternative the reference's operation whose result it must match bit for bit
     ops: list[tuple[str, Callable[[], Any], Callable[[], Any] | None]] = [
+        ("sort + tolist of 128 lengths (reference)",
+         lambda: torch.sort(seq_lens, descending=True, stable=True)[0].tolist(), None),
+        ("tolist, sorted, pageable upload", lambda: read_order(False), None),
+        ("tolist, sorted, pinned upload", lambda: read_order(pin), None),
+        ("to cpu, cpu sort, tolist, pinned upload", lambda: cpu_order(pin), None),
         ("baddbmm out_dtype fp32 (reference)", split, None),
         ("bmm out_dtype fp32", (lambda: torch.bmm(q, kv.mT, **kw)) if kw else
                                (lambda: torch.bmm(q.float(), kv.float().mT)), unscaled),

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timeline import describe, timeline, trace_events  # noqa: E402
 from reference_vs_fa3 import CASES, profile_call, time_fa3  # noqa: E402
 
 from mla_verify import reference  # noqa: E402
@@ -136,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=positive_int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="append", default=[], help="variant names to profile per case")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also trace one call of each variant per case: where the GPU waits (timeline.txt)")
     ns = parser.parse_args(argv)
     try:
         variants = versions(ns)
         if not torch.cuda.is_available():
             raise UsageError("needs a CUDA GPU (fa3 and the fast reference run there)")
         ns.out.mkdir(parents=True, exist_ok=True)
-        if ns.profile:
-            (ns.out / "profile.txt").write_text("")
+        for name in ("profile.txt", "timeline.txt"):
+            (ns.out / name).unlink(missing_ok=True)
     except UsageError as exc:
         print(f"reference_ab: {exc}", file=sys.stderr)
         return 2
@@ -186,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ns.profile:
             with open(ns.out / "profile.txt", "a") as f:
                 f.write(f"== {case.key}: {name}\n{profile_call(fns[name], device, with_cpu=True, rows=22)}\n")
+        if ns.timeline:
+            with open(ns.out / "timeline.txt", "a") as f:
+                for name, fn in fns.items():
+                    row["variants"][name]["timeline"] = summary = timeline(trace_events(fn, device))
+                    f.write(f"== {case.key}: {name}\n{describe(summary)}\n")
         rows.append(row)
         (ns.out / "reference_ab.json").write_text(json.dumps({"cases": rows}, indent=2) + "\n")  # case by case
         del problem, fns
