@@ -8,7 +8,8 @@ each kernel to the call that launched it. From those, relative to the call's fir
   to the end of the last one;
 - ``host_end_us``: the end of the last API call (about when the call returned); ``gpu_end_us``: its last kernel;
 - ``gaps``: the longest gaps after the first kernel, each with the kernel that ended it and whether that kernel
-  was launched only after the GPU had gone idle (the GPU waited on the host) or was already queued.
+  was launched only after the GPU had gone idle (the GPU waited on the host) or was already queued;
+- ``gpu``: every GPU activity as [launched, started, lasted (us), name].
 Only CUDA activity is traced, so the host's per-operation profiler overhead stays small; it is not zero.
 """
 from __future__ import annotations
@@ -21,26 +22,33 @@ from typing import Any, Callable
 import torch
 
 HEAVY_US = 20.0
+SYNC = "cudaDeviceSynchronize"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def trace_events(fn: Callable[[], Any], device: torch.device) -> list[dict[str, Any]]:
-    """The chrome-trace events of one call of ``fn`` after a warm-up call and a sync."""
+def trace_events(fn: Callable[[], Any], device: torch.device, calls: int = 3) -> list[dict[str, Any]]:
+    """The chrome-trace events of the last of ``calls`` calls of ``fn``, each followed by a sync. The first calls
+    under the profiler are not used: its first API calls cost milliseconds of set-up, which would read as idle
+    GPU time."""
     fn()
     torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return json.loads(path.read_text())["traceEvents"]
+        events = json.loads(path.read_text())["traceEvents"]
+    syncs = sorted(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e.get("name") == SYNC)
+    if len(syncs) < calls:
+        raise RuntimeError(f"the trace holds {len(syncs)} {SYNC} calls, not {calls}")
+    return [e for e in events if e.get("ph") == "X" and e.get("ts", 0) >= syncs[-2] and e.get("name") != SYNC]
 
 
 def timeline(events: list[dict[str, Any]], gaps: int = 6) -> dict[str, Any]:
     """The summary above, from ``trace_events``'s events."""
-    api = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
-                  and not e["name"].startswith(("cudaDeviceSynchronize", "cudaStreamSynchronize"))),
+    api = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"),
                  key=lambda e: e["ts"])
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and e.get("ph") == "X"),
                  key=lambda e: e["ts"])
@@ -64,7 +72,9 @@ def timeline(events: list[dict[str, Any]], gaps: int = 6) -> dict[str, Any]:
             "busy_us": round(busy, 1), "idle_after_heavy_us": round(after_heavy, 1),
             "host_end_us": round(max(e["ts"] + e["dur"] for e in api) - t0, 1), "gpu_end_us": round(end, 1),
             "kernels": len(gpu), "api_calls": len(api),
-            "gaps": sorted(found, key=lambda g: -g["gap_us"])[:gaps]}
+            "gaps": sorted(found, key=lambda g: -g["gap_us"])[:gaps],
+            "gpu": [[launched.get(e.get("args", {}).get("correlation")), round(e["ts"] - t0, 1), round(e["dur"], 1),
+                     e["name"][:50]] for e in gpu]}
 
 
 def describe(summary: dict[str, Any]) -> str:
