@@ -40,10 +40,19 @@ def trace_events(fn: Callable[[], Any], device: torch.device, calls: int = 3) ->
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    syncs = sorted(e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and e.get("name") == SYNC)
-    if len(syncs) < calls:
-        raise RuntimeError(f"the trace holds {len(syncs)} {SYNC} calls, not {calls}")
-    return [e for e in events if e.get("ph") == "X" and e.get("ts", 0) >= syncs[-2] and e.get("name") != SYNC]
+    return last_call(events)
+
+
+def last_call(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events between the last two host syncs that hold GPU work (the profiler may add syncs of its own)."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    ends = sorted(e["ts"] + e["dur"] for e in spans if e.get("name") == SYNC)
+    calls = [[e for e in spans if lo <= e["ts"] < hi and e.get("name") != SYNC]
+             for lo, hi in zip([float("-inf")] + ends, ends + [float("inf")])]
+    with_gpu = [call for call in calls if any(e.get("cat") in GPU_CATEGORIES for e in call)]
+    if len(with_gpu) < 2:
+        raise RuntimeError(f"the trace holds {len(with_gpu)} synced calls with GPU work, not at least 2")
+    return with_gpu[-1]
 
 
 def timeline(events: list[dict[str, Any]], gaps: int = 6) -> dict[str, Any]:
