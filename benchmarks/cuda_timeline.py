@@ -1,7 +1,8 @@
 """Where one call's GPU sits idle: a CUDA-only profiler trace of the call, read as a timeline (benchmark tool).
 
 The profiler records the host's CUDA API calls and the GPU's kernels and copies, with correlation ids that tie
-each kernel to the call that launched it. From those, relative to the call's first API call:
+each kernel to the call that launched it. The call is the last of three traced ones (``trace_events``). From
+those, relative to the call's first API call:
 - ``first_kernel_us`` / ``first_heavy_us``: when the GPU first ran anything, and anything of at least
   ``HEAVY_US`` (the first gather, for the reference: the time the host spent before real work could start);
 - ``busy_us``: the union of the GPU's activity; ``idle_after_heavy_us``: the gaps from the first heavy kernel

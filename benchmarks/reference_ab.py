@@ -8,6 +8,7 @@ overridden (``--variant NAME:CONST=VALUE,...``; ``old.NAME:...`` for the ``--old
 file as ``--file NAME=PATH`` (its variants ``NAME.VARIANT:...``). Each sample is host
 wall time from the call to the end of its GPU work (the reference reads the lengths on the host, so CUDA graphs
 do not apply); the time until the call returns (``issue ms``) says how much of it the host spent queuing.
+``--timeline`` adds, per case and version, where the GPU sat idle in one traced call (``cuda_timeline.py``).
 
     python benchmarks/reference_ab.py --old old_reference.py --variant ratio08:GROUP_LENGTH_RATIO=0.8 --out DIR
     python benchmarks/reference_ab.py --old old_reference.py --file gather=candidate.py --out DIR
