@@ -106,8 +106,10 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     # nine (gather, two products, mask, max, softmax, the top's share, the two bf16 halves)
     longest = _whole_pages(lens[0], page)  # at least one page: lens >= 1
     positions = torch.arange(longest, device=p.device)
-    # [B, Q, 1, longest]: the positions query token i must not see (it sees seq_len - Q + i and before)
-    hidden = positions >= (seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device))[:, :, None, None]
+    # [B, Q, 1, longest]: the positions query token i must not see (it sees seq_len - Q + i and before); for one
+    # query token, seq_len and after, two launches fewer
+    first_hidden_at = seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device) if Q > 1 else seq_lens[:, None]
+    hidden = positions >= first_hidden_at[:, :, None, None]
     rows = _cache_rows(p.block_table[longest_first, :longest // page], hidden[:, -1, 0], positions[:page], page)
     queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
     cache_rows = p.kv_cache.flatten(0, 1)  # a copy only for a pool whose pages cannot merge: once, here
@@ -123,8 +125,10 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
         for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
             # embedding = index_select on the slice made contiguous: indexing by the strided slice itself ran
-            # a generic kernel, about 2.5x slower on the H200 (results/h200/2026-12-01/reference-ab2)
-            kv = torch.nn.functional.embedding(rows[group, :tokens], cache_rows)
+            # a generic kernel, about 2.5x slower on the H200 (results/h200/2026-12-01/reference-ab2). Called
+            # without F.embedding's wrapper, which only checks arguments the reference never passes: with the
+            # mask's two launches fewer, 0.5-6% of a call (2026-12-02/reference-timeline, micro.patch)
+            kv = torch.embedding(cache_rows, rows[group, :tokens])
             # positions before the group's shortest sequence's first causal limit are visible to every token
             first_hidden = lens[stop - 1] - Q + 1  # >= 1: validation keeps seq_len >= q_len
             _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
