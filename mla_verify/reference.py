@@ -126,7 +126,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             group = slice(start, stop)
             # embedding = index_select on the slice made contiguous: indexing by the strided slice itself ran
             # a generic kernel, about 2.5x slower on the H200 (results/h200/2026-12-01/reference-ab2). Called
-            # without F.embedding's wrapper, which only checks arguments the reference never passes: with the
+            # without F.embedding's wrapper, which checks arguments the reference never passes: with the
             # mask's two launches fewer, 0.5-6% of a call (2026-12-02/reference-timeline, micro.patch)
             kv = torch.embedding(cache_rows, rows[group, :tokens])
             # positions before the group's shortest sequence's first causal limit are visible to every token
