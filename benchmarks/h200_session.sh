@@ -45,7 +45,7 @@ for phase in "$@"; do
     probe)
       python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \
         --out "$R/probe" 2>&1 | tee "$R/probe.log" | tail -4 ;;
-    refab)  # reference versions A/B, interleaved: REF_AB_ARGS names --old and --variant (benchmarks/reference_ab.py)
+    refab)  # reference versions A/B, interleaved: REF_AB_ARGS passes benchmarks/reference_ab.py's options
       python3 benchmarks/reference_ab.py ${REF_AB_ARGS:-} --out "$R/refab" 2>&1 | tee "$R/refab.log" ;;
     hostprobe)  # host cost of the reference's per-group operations and of issuing from threads
       python3 benchmarks/host_cost_probe.py --device cuda 2>&1 | tee "$R/host_cost.txt" ;;

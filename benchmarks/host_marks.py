@@ -30,7 +30,8 @@ from mla_verify.generate import build_problem  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--file", required=True, type=Path, help="a copy of reference.py that fills MARKS")
-    parser.add_argument("--case", type=int, action="append", help="index into the issue-2 cases (default: all)")
+    parser.add_argument("--case", type=int, action="append", choices=range(len(CASES)),
+                        help="index into the issue-2 cases (default: all)")
     parser.add_argument("--calls", type=positive_int, default=40)
     ns = parser.parse_args(argv)
     try:

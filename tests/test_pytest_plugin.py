@@ -1,14 +1,13 @@
 """The pytest plugin: option resolution, one-line usage errors, per-device counts, and a real `-n 2` run."""
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from benchmark_tools import load_benchmark
 from mla_verify import pytest_plugin
 from mla_verify.workers import FAKE_GPU_ENV
 
@@ -199,14 +198,6 @@ def test_summary_orders_workers_and_devices_numerically():
     ]
 
 
-def _junit_devices():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "junit_devices.py"
-    spec = importlib.util.spec_from_file_location("junit_devices", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_junit_carries_devices_and_runs_compare_by_outcome(pytester, clean_env, capsys):
     pytester.makepyfile("""
         import os
@@ -218,7 +209,7 @@ def test_junit_carries_devices_and_runs_compare_by_outcome(pytester, clean_env, 
     pytester.runpytest(*QUIET, "--mla-device", "cpu", "--junitxml=a.xml").assert_outcomes(passed=3)
     clean_env.setenv("FLIP", "1")
     pytester.runpytest(*QUIET, "--mla-device", "cpu", "--junitxml=b.xml").assert_outcomes(passed=2, failed=1)
-    tool = _junit_devices()
+    tool = load_benchmark("junit_devices")
     a, b = str(pytester.path / "a.xml"), str(pytester.path / "b.xml")
     assert tool.outcomes(a)["test_junit_carries_devices_and_runs_compare_by_outcome::test_same"] == \
         ("passed", "cpu")
