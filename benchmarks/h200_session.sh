@@ -34,7 +34,12 @@ for phase in "$@"; do
   case $phase in
     env)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$R/nvidia-smi.csv"
-      $MV doctor 2>&1 | tee "$R/doctor.txt" ;;
+      $MV doctor 2>&1 | tee "$R/doctor.txt"
+      # the host that issues the launches (leases differ: ~17-45 us a PyTorch launch, docs/gpu_results.md): its
+      # CPU, load, and the steal time the hypervisor took from its vCPUs over 5 s (/proc/stat, USER_HZ ticks)
+      { grep -m1 "model name" /proc/cpuinfo; grep "cpu MHz" /proc/cpuinfo | sort | uniq -c | head -4
+        echo "loadavg $(cat /proc/loadavg)"; a=$(awk '/^cpu /{print $9}' /proc/stat); sleep 5
+        echo "steal ticks over 5 s, all vCPUs: $(( $(awk '/^cpu /{print $9}' /proc/stat) - a ))"; } | tee "$R/host.txt" ;;
     warm)
       for b in fa3 fa2; do
         $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
