@@ -9,8 +9,8 @@ Each group is exact attention -- one softmax over the whole row, no split-KV mer
 stays simple. The lengths are the only values read back to the host, once. What does not depend on the group
 (the row index, the causal mask, the halves' sum) is made once for the whole problem, so a group issues nine
 operations: on an H200 the call's GPU work is 5.3-7.1x fa3's time and the host's issuing brings it to
-7.1-10.6x, the top on slow hosts (results/h200/2026-12-01/reference-ab2,
-2026-12-02/reference-timeline).
+7.1-10.8x, over 10x on B=128 only where the host takes over ~37 us a launch (results/h200/2026-12-01/reference-ab2,
+2026-12-02/reference-timeline, 2026-12-02b).
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
 products of bf16/fp8 inputs are exact and the accumulation error stays below ~4e-6 relative up to T = 16k
