@@ -6,7 +6,7 @@ times on a benchmark case, each call from an idle GPU and followed by a sync; th
 each label, and to the end of its GPU work, is printed. No profiler is running, so these are the host's own
 times, unlike a trace's.
 
-    python benchmarks/host_marks.py --file .bench-old/reference_marks.py --case 0
+    python benchmarks/host_marks.py --file reference_marks.py --case 0   # reference.py with marks.patch applied
 """
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def versions(ns: argparse.Namespace) -> list[tuple[str, ModuleType, dict[str, An
     files = {"old": load_module(ns.old, "--old")} if ns.old else {}
     for text in ns.file:
         name, equals, path = text.partition("=")
-        if not equals or not path or not name.isidentifier() or name in files or name == "new":
+        if not equals or not path or not name.isidentifier() or name in files or name in ("new", "old"):
             raise UsageError(f"--file {text}: want NAME=PATH, NAME a new identifier other than new and old")
         files[name] = load_module(Path(path), "--file")
     variants = [("new", reference, {})] + [(name, module, {}) for name, module in files.items()]

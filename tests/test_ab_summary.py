@@ -47,10 +47,15 @@ def test_a_case_without_fa3_has_no_ratio(tmp_path: Path) -> None:
     assert row.ratio is None and " - " in row.line(10.0)
 
 
+def not_a_result(directory: Path) -> Path:
+    (directory / "x.json").write_text("{}")
+    return directory / "x.json"
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: d / "missing.json", "no such file"),
-    (lambda d: (d / "x.json").write_text("{}") and d / "x.json", "not a reference_ab.py result"),
-    (lambda d: result(d, 0.2, new=(1.0, 1.5)), "no reference_ab.json rows match"),
+    (not_a_result, "not a reference_ab.py result"),
+    (lambda d: result(d, 0.2, new=(1.0, 1.5)), "no reference_ab.json rows match"),  # no B64 case in it
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture, make, message) -> None:
     assert ab.main([str(make(tmp_path)), "--case", "B64"]) == 2
