@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from hypothesis import strategies as st
 
 from .backends.base import Envelope
 from .dims import R1_SOFTMAX_SCALE
 from .generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
 from .layouts import LayoutSpec
+from .memory import token_budget
 from .metamorphic import TRANSFORMS
 
 TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -21,21 +24,34 @@ TILE_EDGE_HEADS = (63, 65, 96, 127, 3, 5, 7, 9, 15, 17, 33)
 DEFAULT_PAGE_SIZES = (1, 16, 32, 64)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Budget:
-    """How big one case may be on a device, so that runs fit their time."""
+    """How big one case may be on a device, so that runs fit their time and memory.
+
+    ``max_tokens`` bounds the cached tokens a case holds (pool pages included), which is what its memory
+    grows with (memory.py); the engine lowers it for the rest of a run after an out-of-memory error, and the
+    strategies read it at each draw.
+    """
 
     units: int  # sum(seq_lens) * heads * q_len: the (query token, head, KV token) triples to compute
     max_batch: int
     max_seq_len: int
+    max_tokens: int
+
+    def shrink_below(self, tokens: int) -> None:
+        """After an out-of-memory error on a case of ``tokens`` cached tokens: draw at most half of it."""
+        self.max_tokens = max(1, min(self.max_tokens, tokens // 2))
 
 
+# (units, max_batch, max_seq_len, max_tokens) per device type
 BUDGETS = {
     # 2e5 triples ~ 0.4 GFLOP a pass; a case makes ~5 passes (kernel, fp64 reference, baseline, repeat,
     # metamorphic), ~0.1-0.3 s on one 2-core CI machine.
-    "cpu": Budget(units=200_000, max_batch=1024, max_seq_len=1 << 17),
-    # ~6e7 triples: B=128, H=128, ~3.6k tokens; a few ms of kernel and fp32 reference on an H200.
-    "cuda": Budget(units=64_000_000, max_batch=1024, max_seq_len=1 << 17),
+    "cpu": (200_000, 1024, 1 << 17, 1 << 18),
+    # ~6e7 triples: B=128, H=128, ~3.6k tokens; a few ms of kernel and reference on an H200. At most 2^20
+    # cached tokens (1.2 GB of bf16 cache): larger cases cost more time than they find bugs the longest
+    # sequence (2^17) and the largest batch do not; memory.token_budget lowers it on a shared GPU.
+    "cuda": (64_000_000, 1024, 1 << 17, 1 << 20),
 }
 
 
@@ -46,9 +62,12 @@ class Case:
     transform: str = "none"
 
 
-def budget_for(device_type: str, max_seq_len: int | None = None) -> Budget:
-    b = BUDGETS["cuda" if device_type == "cuda" else "cpu"]
-    return b if max_seq_len is None else Budget(b.units, b.max_batch, min(b.max_seq_len, max_seq_len))
+def budget_for(device: torch.device | str, max_seq_len: int | None = None) -> Budget:
+    """A fresh budget for a run on ``device`` (on a GPU, sized from this process's share of free memory)."""
+    device = torch.device(device)
+    units, batch, longest, tokens = BUDGETS["cuda" if device.type == "cuda" else "cpu"]
+    longest = longest if max_seq_len is None else min(longest, max_seq_len)
+    return Budget(units, batch, longest, token_budget(device, tokens))
 
 
 def head_counts(env: Envelope) -> st.SearchStrategy[int]:
@@ -59,37 +78,87 @@ def head_counts(env: Envelope) -> st.SearchStrategy[int]:
 
 def seq_len(page: int, lo: int, hi: int) -> st.SearchStrategy[int]:
     """Lengths biased to the edges: 1, page-1, page, page+1, multiples of the page, the maximum."""
-    edges = [1, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi]
-    edges = sorted({e for e in edges if lo <= e <= hi})
+    edges = _edges(page, lo, hi)
     return st.one_of(st.sampled_from(edges), st.integers(lo, hi)) if edges else st.integers(lo, hi)
+
+
+def _edges(page: int, lo: int, hi: int) -> list[int]:
+    return sorted({e for e in (1, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
+                   if lo <= e <= hi})
+
+
+EXPLICIT_BATCH = 8  # up to this many requests the lengths are drawn one by one; above it, as a profile
+LENGTH_PROFILES = ("equal", "uniform", "edges", "one_long")  # in shrinking order: the plainest first
+
+
+def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+    """``batch`` lengths in [lo, hi] from a profile and a seed (numpy's generator: the same on every machine).
+
+    equal: all ``hi``; uniform: uniform in [lo, hi]; edges: page edges and ``hi`` (partial and full pages,
+    one token past a page); one_long: all ``lo`` but one request at ``hi``.
+    """
+    rng = np.random.default_rng(seed)
+    if profile == "equal":
+        lens = np.full(batch, hi)
+    elif profile == "uniform":
+        lens = rng.integers(lo, hi + 1, batch)
+    elif profile == "edges":
+        lens = rng.choice(np.array(_edges(page, lo, hi) or [hi]), batch)
+    elif profile == "one_long":
+        lens = np.full(batch, lo)
+        lens[rng.integers(batch)] = hi
+    else:
+        raise ValueError(f"unknown length profile {profile!r}; known: {LENGTH_PROFILES}")
+    return tuple(int(n) for n in lens)
+
+
+@st.composite
+def batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> tuple[int, ...]:
+    """The requests' KV lengths in [lo, hi], one of them often ``hi``.
+
+    Drawing cost does not grow with the batch: up to EXPLICIT_BATCH requests each length is drawn (and
+    shrinks on its own toward ``lo`` and the page edges); a larger batch draws a length profile, a floor and a
+    seed (expand_lengths), which shrink toward equal lengths, the smallest floor and seed 0. A failure that
+    needs many requests thus stays readable, and one that does not shrinks to the explicit form.
+    """
+    if batch <= EXPLICIT_BATCH:
+        lens = draw(st.lists(seq_len(page, lo, hi), min_size=batch, max_size=batch))
+        if draw(st.booleans()):  # one request at the case's maximum
+            lens[draw(st.integers(0, batch - 1))] = hi
+        return tuple(lens)
+    profile = draw(st.sampled_from(LENGTH_PROFILES))
+    floor = draw(st.one_of(st.just(lo), st.integers(lo, hi)))
+    return expand_lengths(profile, batch, page, floor, hi, draw(st.integers(0, 2**32 - 1)))
 
 
 @st.composite
 def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     page = draw(st.sampled_from(env.page_sizes or DEFAULT_PAGE_SIZES))
-    rank, rope = draw(st.sampled_from(env.dims))
+    dtype = draw(st.sampled_from(env.dtypes))
+    rank, rope = draw(st.sampled_from(env.dims_for(dtype)))
     heads = draw(head_counts(env))
     q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5)))  # q_len tokens >= q_len
     q_len = draw(st.one_of(st.just(env.q_len[0]), st.integers(env.q_len[0], q_hi)))
-    dtype = draw(st.sampled_from(env.dtypes))
+    extra_pages = draw(st.integers(0, 8))
+    # cached tokens the sequences may take: the budget less the unused pages (at least one page)
+    room = max(page, budget.max_tokens - extra_pages * page)
     # the longest sequence of this case, then a batch that fits the budget with it
-    top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len)))
+    top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len), room))
     cap = draw(seq_len(page, q_len, top))
-    max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len)))
+    max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len),
+                       room // (-(-cap // page) * page)))
     batch = draw(st.one_of(st.integers(1, min(4, max_b)), st.integers(1, max_b)))
-    lens = draw(st.lists(seq_len(page, q_len, cap), min_size=batch, max_size=batch))
-    if draw(st.booleans()):  # one request at the case's maximum
-        lens[draw(st.integers(0, batch - 1))] = cap
+    lens = draw(batch_lengths(batch, page, q_len, cap))
     softmax = draw(st.sampled_from([None, R1_SOFTMAX_SCALE]) | st.floats(0.02, 0.3))
     q_scale = k_scale = 1.0
     if dtype == "fp8":  # realistic per-tensor scales, k_scale != 1 included
         q_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
         k_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
     return ProblemSpec(
-        seq_lens=tuple(lens), q_len=q_len, num_heads=heads, page_size=page, kv_lora_rank=rank,
+        seq_lens=lens, q_len=q_len, num_heads=heads, page_size=page, kv_lora_rank=rank,
         qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
         bmm2_extra=draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.1, 4.0)),
-        extra_pages=draw(st.integers(0, 8)), shuffle_pages=draw(st.sampled_from([True, False])),
+        extra_pages=extra_pages, shuffle_pages=draw(st.sampled_from([True, False])),
         table_pad=draw(st.integers(0, 4)), pad_fill=draw(st.sampled_from(PAD_FILLS)),
         values=draw(st.sampled_from(VALUE_KINDS)), seed=draw(st.integers(0, 2**31 - 1)))
 
@@ -131,8 +200,10 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
         lens = sorted({max(q_hi, n) for n in (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)})
         return tuple(lens[-min(env.max_batch, budget.max_batch):])
 
-    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo))
-    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)))
+    room = budget.max_tokens - r1["extra_pages"] * large  # cached tokens left beside the unused pages
+    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo), room)
+    # each of the widest batch's sequences (at most large + 1 tokens) takes up to two pages
+    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)), room // (2 * large))
     out = [
         Case(ProblemSpec(seq_lens=edges(small), q_len=q_hi, num_heads=h_few, page_size=small, bmm2_extra=1.5,
                          seed=1, **r1), native, "pages"),
@@ -142,9 +213,11 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
                          q_len=q_lo, num_heads=h_max, page_size=large, seed=3, **r1), full),
     ]
     if "fp8" in env.dtypes:
+        fp8_rank, fp8_rope = env.dims_for("fp8")[0]
         out.append(Case(ProblemSpec(seq_lens=edges(large), q_len=q_lo, num_heads=h_few, page_size=large,
-                                    q_scale=2.0, k_scale=0.5, bmm2_extra=1.5, seed=4, **{**r1, "dtype": "fp8"}),
-                        full, "pool"))
+                                    q_scale=2.0, k_scale=0.5, bmm2_extra=1.5, seed=4,
+                                    **{**r1, "dtype": "fp8", "kv_lora_rank": fp8_rank,
+                                       "qk_rope_head_dim": fp8_rope}), full, "pool"))
     for other_rank, other_rope in env.dims[1:]:
         out.append(Case(ProblemSpec(seq_lens=edges(small), q_len=q_lo, num_heads=h_few, page_size=small, seed=5,
                                     **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))

@@ -10,7 +10,7 @@ from mla_verify.strategies import Budget, cases, corner_cases, budget_for
 NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8, 16), dtypes=("fp8",),
                                   q_len=(2, 3), cache_dims=(4,), page_strided=False, table_widths=("pad128",),
                                   pass_out=(True,), lse=False, max_batch=5, max_seq_len=300)
-SMALL = Budget(units=20_000, max_batch=64, max_seq_len=4096)
+SMALL = Budget(units=20_000, max_batch=64, max_seq_len=4096, max_tokens=6000)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -20,6 +20,8 @@ def test_drawn_cases_fit_envelope_and_budget(env, data):
     assert env.why_not(case.spec, case.layout) is None
     s = case.spec
     assert sum(s.seq_lens) * s.num_heads * s.q_len <= SMALL.units
+    pages = sum(-(-n // s.page_size) for n in s.seq_lens) + s.extra_pages
+    assert pages * s.page_size <= SMALL.max_tokens
     assert all(n >= s.q_len for n in s.seq_lens)
 
 

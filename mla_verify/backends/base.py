@@ -17,6 +17,7 @@ from ..layouts import LayoutSpec
 from ..problem import DecodeProblem
 
 LSE_BASE_2 = 2.0
+ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sentence
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Envelope:
     archs: tuple[tuple[int, int], ...] | None = None  # CUDA compute capabilities, e.g. ((10, 0), (10, 3))
     page_sizes: tuple[int, ...] | None = None
     dims: tuple[tuple[int, int], ...] = ((512, 64),)  # (kv_lora_rank, qk_rope_head_dim)
+    # dtypes limited to a subset of ``dims`` (e.g. FlashInfer's FA paths take an fp8 cache only with (512, 64))
+    dims_by_dtype: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
     heads: tuple[int, ...] | None = None  # allowed head counts (None: 1..max_heads)
     max_heads: int = 128
     dtypes: tuple[str, ...] = ("bf16",)
@@ -41,6 +44,11 @@ class Envelope:
     max_seq_len: int = 1 << 17
     notes: str = ""
 
+    def dims_for(self, dtype: str) -> tuple[tuple[int, int], ...]:
+        """The (kv_lora_rank, qk_rope_head_dim) pairs this envelope takes with ``dtype``."""
+        limited = dict(self.dims_by_dtype).get(dtype)
+        return self.dims if limited is None else tuple(d for d in self.dims if d in limited)
+
     def allows_heads(self, h: int) -> bool:
         return (h in self.heads) if self.heads is not None else 1 <= h <= self.max_heads
 
@@ -53,6 +61,9 @@ class Envelope:
              f"dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) (supported: {list(self.dims)})"),
             (self.allows_heads(spec.num_heads), f"{spec.num_heads} heads"),
             (spec.dtype in self.dtypes, f"dtype {spec.dtype} (supported: {list(self.dtypes)})"),
+            ((spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims_for(spec.dtype),
+             f"{spec.dtype} with dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) "
+             f"(supported: {list(self.dims_for(spec.dtype))})"),
             (self.q_len[0] <= spec.q_len <= self.q_len[1], f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
             (layout.cache_dims in self.cache_dims, f"a {layout.cache_dims}-D cache"),
             (self.page_strided or layout.page_stride_pad == 0, "a page-strided cache"),
@@ -63,7 +74,7 @@ class Envelope:
             (max(spec.seq_lens) <= self.max_seq_len, f"seq_len {max(spec.seq_lens)} (max {self.max_seq_len})"),
         ]
         bad = [what for ok, what in checks if not ok]
-        return ("outside its envelope: " + "; ".join(bad)) if bad else None
+        return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None
 
     def narrowed(self, **changes: Any) -> "Envelope":
         return replace(self, **changes)

@@ -1,0 +1,63 @@
+"""Device memory is the machine's, not the kernel's: what counts as out-of-memory, and how big a case may be.
+
+A GPU is often shared -- by the xdist workers of one ``pytest -n auto`` run, or by another process already
+holding memory -- so the size of the cases a run draws starts from this process's share of the memory that is
+free when the run starts, and shrinks for the rest of the run after an out-of-memory error. Import rule:
+torch only; nothing from the rest of the package.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+# Peak device bytes per cached token (of 576 values) of one judged case, all stages together: the fp32
+# values the problem is built from (2.3 KB), the pool (1.2 KB), its snapshot and a page-strided copy
+# (2.3 KB), the metamorphic copy and its snapshot (2.3 KB), and the reference's and baseline's work memory
+# (at most twice the cache bytes each, reference.py: 2.3 KB) -- ~10.4 KB, rounded up for the allocator's
+# fragmentation.
+BYTES_PER_TOKEN = 16 << 10
+FIXED_BYTES = 512 << 20  # a backend's workspace (128 MiB) and the allocator's own slack
+SHARE_OF_FREE = 0.5  # of the free memory at start, divided among the processes sharing the device
+SHARERS_ENV = "MLA_VERIFY_DEVICE_SHARERS"  # override: how many processes share this device
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError, or a CUDA / allocator error that says it ran out of memory."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "cudaerrormemoryallocation" in text)
+
+
+def release_cached(device: torch.device) -> None:
+    """Give the allocator's cached blocks back after an OOM, so other processes on the GPU can have them."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_sharers(environ: dict[str, str] | None = None) -> int:
+    """How many processes share this process's GPU: SHARERS_ENV if set, else the xdist workers per GPU."""
+    env = os.environ if environ is None else environ
+    if env.get(SHARERS_ENV, "").isdigit() and int(env[SHARERS_ENV]) > 0:
+        return int(env[SHARERS_ENV])
+    workers = env.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not workers.isdigit() or int(workers) < 1:
+        return 1
+    gpus = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    return math.ceil(int(workers) / gpus)
+
+
+def token_budget(device: torch.device, cap: int) -> int:
+    """The most cached tokens one case may hold on ``device``: at most ``cap``; on a GPU, this process's share
+    of the free memory, rounded down to a power of two (so that a run with a little more or less memory free
+    draws the same cases: premerge stays the same from run to run on a similar machine)."""
+    if device.type != "cuda":
+        return cap
+    free, _ = torch.cuda.mem_get_info(device)
+    share = SHARE_OF_FREE * free / device_sharers() - FIXED_BYTES
+    tokens = int(share // BYTES_PER_TOKEN)
+    if tokens < 1:
+        return 1
+    return min(cap, 1 << (tokens.bit_length() - 1))
