@@ -2,6 +2,13 @@
 
 ``verify`` returns every case run (shrinking attempts included, in order) and, on failure, the shrunk
 minimal failing case with its diagnosis. Reproducible: premerge and dev use a fixed seed and no database.
+
+Time bounds hold wherever Hypothesis spends its time: the deadline is checked before each draw (generation,
+targeting and shrinking all draw) as well as before each case, so a run ends within ``minutes`` plus one
+case. Past the deadline a search that found a failure reports the smallest one seen so far. A kernel call
+that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
+every attempt would hang too). Ctrl-C ends the search and returns what was judged so far
+(``EngineResult.interrupted``).
 """
 from __future__ import annotations
 
@@ -11,14 +18,17 @@ from typing import Callable
 
 import torch
 from hypothesis import given, seed as hypothesis_seed, target
+from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
+from hypothesis.errors import Flaky
 
 from .backends.base import Backend
-from .harness import CaseResult, run_case
+from .harness import SKIP_MEMORY, CaseResult, run_case
 from .profiles import Profile, get_profile, hypothesis_settings
-from .strategies import Case, budget_for, cases, corner_cases
+from .strategies import Budget, Case, budget_for, cases, corner_cases
 
 DEFAULT_SEED = 20261201
+DEFAULT_KERNEL_SECONDS = 120.0  # one kernel call; FlashInfer's first fa2/fa3 call JIT-compiles (~25 s)
 
 
 @dataclass
@@ -31,6 +41,8 @@ class EngineResult:
     unavailable: str | None = None  # why the backend cannot run on this device at all
     seconds: float = 0.0
     timed_out: bool = False
+    interrupted: bool = False  # Ctrl-C: the cases judged until then
+    draw_seconds: float = 0.0  # in the strategies, every draw counted (also those that never became a case)
 
     @property
     def verdict(self) -> str:
@@ -43,14 +55,47 @@ class _CaseFailed(AssertionError):
     pass
 
 
-class _TimeUp(BaseException):
-    """Stops a time-bounded search; BaseException so Hypothesis does not treat it as a failure to shrink."""
+class _Stop(BaseException):
+    """Ends the search (time up, or a hung kernel); BaseException so Hypothesis does not shrink it."""
+
+
+@dataclass
+class _Clock:
+    """The run's deadline, and the time spent drawing."""
+
+    deadline: float | None
+    drawing_since: float = 0.0
+    draw_seconds: float = 0.0
+
+    def check(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _Stop("time up")
+
+    def drawn(self) -> float:
+        """Called as a case starts: seconds since its draw began."""
+        took = time.perf_counter() - self.drawing_since
+        self.draw_seconds += took
+        return took
+
+
+def _clocked(strategy: st.SearchStrategy[Case], clock: _Clock) -> st.SearchStrategy[Case]:
+    @st.composite
+    def draw(draw_fn: st.DrawFn) -> Case:
+        clock.check()
+        clock.drawing_since = time.perf_counter()
+        return draw_fn(strategy)
+    return draw()
 
 
 def verify(backend: Backend, device: torch.device | str, profile: str | Profile = "premerge",
            seed: int | None = None, max_examples: int | None = None, minutes: float | None = None,
            database: ExampleDatabase | None = None,
-           on_case: Callable[[CaseResult], None] | None = None) -> EngineResult:
+           on_case: Callable[[CaseResult], None] | None = None,
+           on_start: Callable[[Case], None] | None = None,
+           kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
+           budget: Budget | None = None) -> EngineResult:
+    """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
+    ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = DEFAULT_SEED if seed is None else seed
@@ -60,38 +105,71 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     if reason is not None:
         result.unavailable = f"{backend.name}: {reason}"
         return result
-    budget = budget_for(device.type)
+    budget = budget if budget is not None else budget_for(device)
     minutes = prof.minutes if minutes is None else minutes
-    deadline = None if minutes is None else started + 60.0 * minutes
+    clock = _Clock(None if minutes is None else started + 60.0 * minutes)
 
-    def record(case: Case, diagnose: bool = False) -> CaseResult:
-        r = run_case(backend, case.spec, case.layout, device, case.transform, diagnose=diagnose)
+    def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
+        if on_start is not None:
+            on_start(case)
+        r = run_case(backend, case.spec, case.layout, device, case.transform, diagnose=diagnose,
+                     kernel_seconds=kernel_seconds)
+        if draw_seconds is not None:
+            r.stages = {"draw": draw_seconds, **r.stages}
+        if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
+            budget.shrink_below(_cached_tokens(case))
         result.cases.append(r)
         if on_case is not None:
             on_case(r)
+        if r.hung:
+            raise _Stop("hung kernel")
         return r
 
     corner_failure: CaseResult | None = None
-    if prof.corner_cases:
-        for case in corner_cases(backend.envelope, budget):
-            r = record(case, diagnose=True)
-            if r.verdict == "fail":
-                corner_failure = r
-                break
-    # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
-    # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
-    last_failure: list[CaseResult] = []
+    drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
+    try:
+        if prof.corner_cases:
+            for case in corner_cases(backend.envelope, budget):
+                clock.check()
+                r = record(case, diagnose=True)
+                if r.verdict == "fail":
+                    corner_failure = r
+                    break
+        # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
+        # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
+        _search(backend, prof, max_examples, database, seed, budget, clock, record, drawn)
+    except _Stop as stop:
+        result.timed_out = str(stop) == "time up"
+    except KeyboardInterrupt:
+        result.interrupted = True
+    hung = _hung(result)
+    if hung is not None:
+        result.failure = hung
+    elif drawn:  # Hypothesis replays the minimal example last
+        result.failure = drawn[-1] if result.interrupted else _replayed(backend, drawn[-1], device, kernel_seconds)
+    else:
+        result.failure = corner_failure
+    if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
+            and not result.failure.diagnosis and corner_failure.diagnosis:
+        # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
+        result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
+                                    for d in corner_failure.diagnosis]
+    result.draw_seconds = clock.draw_seconds
+    result.seconds = time.monotonic() - started
+    return result
 
+
+def _search(backend: Backend, prof: Profile, max_examples: int | None, database: ExampleDatabase | None,
+            seed: int, budget: Budget, clock: _Clock, record: Callable[..., CaseResult],
+            failures: list[CaseResult]) -> None:
     @hypothesis_settings(prof, max_examples, database)
-    @given(cases(backend.envelope, budget))
+    @given(_clocked(cases(backend.envelope, budget), clock))
     def search(case: Case) -> None:
-        if deadline is not None and not last_failure and time.monotonic() > deadline:
-            raise _TimeUp()
-        r = record(case)
+        r = record(case, draw_seconds=clock.drawn())
         if prof.targeted and r.stats is not None:
             target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
         if r.verdict == "fail":
-            last_failure.append(r)
+            failures.append(r)
             raise _CaseFailed(r.reason)
 
     # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
@@ -101,19 +179,26 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         search = hypothesis_seed(seed)(search)
     try:
         search()
-    except _CaseFailed:
-        shrunk = last_failure[-1]  # Hypothesis replays the minimal example last
-        result.failure = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic)
-        if result.failure.verdict != "fail":  # flaky: keep what was seen, say so
-            shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
-            result.failure = shrunk
-    except _TimeUp:
-        result.timed_out = True
-    if result.failure is None:
-        result.failure = corner_failure
-    elif corner_failure is not None and not result.failure.diagnosis and corner_failure.diagnosis:
-        # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
-        result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
-                                    for d in corner_failure.diagnosis]
-    result.seconds = time.monotonic() - started
-    return result
+    except (_CaseFailed, Flaky):  # Flaky: the minimal failure did not fail again; _replayed says so
+        pass
+
+
+def _hung(result: EngineResult) -> CaseResult | None:
+    """The case whose kernel hung, if that is what ended the search."""
+    last = result.cases[-1] if result.cases else None
+    return last if last is not None and last.hung else None
+
+
+def _replayed(backend: Backend, shrunk: CaseResult, device: torch.device,
+              kernel_seconds: float | None) -> CaseResult:
+    """The minimal failing case run once more, with diagnosis; the original if it no longer fails."""
+    again = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic, kernel_seconds=kernel_seconds)
+    if again.verdict == "fail":
+        return again
+    shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
+    return shrunk
+
+
+def _cached_tokens(case: Case) -> int:
+    s = case.spec
+    return sum(-(-n // s.page_size) * s.page_size for n in s.seq_lens) + s.extra_pages * s.page_size

@@ -9,27 +9,42 @@
    tolerance model (compare.py), LSE in the backend's base; the same call again gives the same bits; one
    metamorphic transformation (metamorphic.py) gives the same bits.
 5. On failure, ask diagnose.py which known misreading explains the output.
+
+Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
+reason (memory.py). A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time
+of each stage is recorded per case (``CaseResult.stages``); on a GPU each stage ends with a synchronize, so a
+stage is charged for its own device work.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from . import metamorphic
-from .backends.base import Backend, PreparedCall
+from .backends.base import ENVELOPE_PREFIX, Backend, PreparedCall
 from .compare import ErrorStats, baseline_decode, compare
 from .generate import ProblemSpec, build_problem
 from .layouts import LayoutSpec
+from .memory import is_out_of_memory, release_cached
 from .problem import DecodeProblem
 from .reference import ReferenceResult, fast_matmul_mode, reference_decode
+from .watchdog import KernelTimeout, time_limit
 
 POISON_OUT = float("inf")
+# the stages of one case, in order ("draw" is the engine's: the strategy's time for this case)
+STAGES = ("draw", "build", "prepare", "kernel", "reference", "baseline", "compare", "repeat", "metamorphic",
+          "diagnose")
+# CaseResult.skip_kind: outside the backend's declared envelope (static), refused by its library for this
+# problem's data (e.g. FlashInfer's planner), or no device memory for it
+SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY = "envelope", "library", "memory"
+OUT_OF_MEMORY = "out of device memory (GPU shared or the case too big for it)"
 
 
 @dataclass
@@ -47,6 +62,9 @@ class CaseResult:
     problem: DecodeProblem | None = None  # kept on failure, for fixtures and diagnosis
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per STAGES entry that ran
+    skip_kind: str = ""  # SKIP_ENVELOPE or SKIP_MEMORY when skipped
+    hung: bool = False  # the kernel ran past its time limit
 
     @property
     def id(self) -> str:
@@ -58,6 +76,7 @@ class CaseResult:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "backend": self.backend, "verdict": self.verdict, "reason": self.reason,
                 "failures": self.failures, "diagnosis": self.diagnosis, "seconds": round(self.seconds, 4),
+                "stages": {k: round(v, 5) for k, v in self.stages.items()}, "skip_kind": self.skip_kind,
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
                 "stats": None if self.stats is None else self.stats.to_json()}
 
@@ -65,68 +84,131 @@ class CaseResult:
         return f"[{self.backend}] {self.spec.describe()} | {self.layout.describe()} | metamorphic={self.metamorphic}"
 
 
+class _Stages:
+    """Seconds per stage of one case; on a GPU each stage ends with a synchronize (its work is charged to it)."""
+
+    def __init__(self, device: torch.device, into: dict[str, float]):
+        self.device, self.seconds = device, into
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+
 def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device | str,
-             transform: str = "none", problem: DecodeProblem | None = None, diagnose: bool = True) -> CaseResult:
-    """Judge ``backend`` on one case. ``problem`` overrides building from ``spec`` (fixture replay)."""
+             transform: str = "none", problem: DecodeProblem | None = None, diagnose: bool = True,
+             kernel_seconds: float | None = None) -> CaseResult:
+    """Judge ``backend`` on one case. ``problem`` overrides building from ``spec`` (fixture replay);
+    ``kernel_seconds`` limits each kernel call (None: no limit)."""
     device = torch.device(device)
     started = time.perf_counter()
     result = CaseResult(backend.name, spec, layout, transform, "pass")
     reason = backend.why_not(spec, layout, device)
     if reason is not None:
-        result.verdict, result.reason = "skip", f"{backend.name}: {reason}"
+        kind = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
+        result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", kind
         return result
+    stage = _Stages(device, result.stages)
     try:
-        return _judge(backend, spec, layout, device, transform, problem, diagnose, result, started)
-    except torch.OutOfMemoryError:
-        # the GPU is shared (other processes, the suite's own tensors): not a verdict on the kernel
-        torch.cuda.empty_cache()
-        result.verdict, result.reason = "skip", "out of device memory (GPU shared or the case too big for it)"
-        result.failures, result.out, result.lse, result.problem = [], None, None, None
-        result.seconds = time.perf_counter() - started
-        return result
-
-
-def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
-           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, started: float) -> CaseResult:
-    if problem is None:
-        problem = build_problem(spec, device)
-    failures = result.failures
-    run = _run_kernel(backend, problem, layout, failures)
-    ref: ReferenceResult | None = None
-    if run is not None:
-        out, lse = run
-        result.out, result.lse = out, lse
-        ref = judge_reference(problem)
-        baseline = baseline_decode(problem, spec.dtype)
-        lse_base = backend.envelope.lse_base if layout.return_lse else None
-        result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
-        failures += numeric
-        if not failures:
-            _check_repeatable(backend, problem, layout, out, lse, failures, transform="none")
-        if not failures and transform != "none":
-            _check_repeatable(backend, problem, layout, out, lse, failures, transform=transform, seed=spec.seed)
-    if failures:
-        result.verdict, result.reason, result.problem = "fail", failures[0], problem
-        if diagnose and result.out is not None and result.out.shape == problem.out_shape:
-            result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref)
+        _judge(backend, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
+    except Exception as exc:  # noqa: BLE001 - only out-of-memory is caught; anything else is the suite's bug
+        if not is_out_of_memory(exc):
+            raise
+        release_cached(device)
+        result.verdict, result.reason, result.skip_kind = "skip", OUT_OF_MEMORY, SKIP_MEMORY
+        result.failures, result.diagnosis, result.out, result.lse, result.problem = [], [], None, None, None
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
-                failures: list[str]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Prepare, snapshot, poison, call; append contract violations. None when there is no output to judge."""
+def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
+           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, stage: _Stages,
+           kernel_seconds: float | None) -> None:
+    with stage("build"):
+        if problem is None:
+            problem = build_problem(spec, device)
+    failures = result.failures
+    limit = _Limit(kernel_seconds, result)
+    with stage("prepare"):
+        prepared = _prepare(backend, problem, layout, failures)
+    run = None if prepared is None else _call(prepared, problem, failures, limit, stage)
+    ref: ReferenceResult | None = None
+    if run is not None:
+        out, lse = run
+        result.out, result.lse = out, lse
+        with stage("reference"):
+            ref = judge_reference(problem)
+        with stage("baseline"):
+            baseline = baseline_decode(problem, spec.dtype)
+        with stage("compare"):
+            lse_base = backend.envelope.lse_base if layout.return_lse else None
+            result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
+        failures += numeric
+        if not failures:
+            with stage("repeat"):  # the very same call again: the same prepared arguments
+                _check_repeatable(prepared, problem, out, lse, failures, limit, "none")
+        if not failures and transform != "none":
+            with stage("metamorphic"):
+                moved, unmap = metamorphic.transform(problem, transform, spec.seed)
+                again: list[str] = []
+                moved_call = _prepare(backend, moved, layout, again)
+                if moved_call is None:
+                    failures.append(f"with {metamorphic.DESCRIPTIONS[transform]}: {again[0]}")
+                else:
+                    _check_repeatable(moved_call, moved, out, lse, failures, limit, transform, unmap)
+    if failures:
+        result.verdict, result.reason, result.problem = "fail", failures[0], problem
+        if diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
+            with stage("diagnose"):
+                result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref)
+
+
+@dataclass
+class _Limit:
+    """The time limit of each kernel call of one case, and where a timeout is recorded."""
+
+    seconds: float | None
+    result: CaseResult
+
+
+def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
+             failures: list[str]) -> PreparedCall | None:
     try:
-        prepared = backend.prepare(problem, layout)
+        return backend.prepare(problem, layout)
     except Exception as exc:  # noqa: BLE001 - a backend that cannot even lay out an in-envelope problem fails
+        if is_out_of_memory(exc):
+            raise
         failures.append(f"preparing the call raised {_exc_line(exc)}")
         return None
-    snapshot = {name: t.detach().clone() for name, t in prepared.inputs.items()}
+
+
+def _call(prepared: PreparedCall, problem: DecodeProblem, failures: list[str], limit: _Limit,
+          stage: _Stages | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Snapshot, poison, call; append contract violations. None when there is no output to judge."""
+    with stage("prepare") if stage else contextlib.nullcontext():
+        snapshot = {name: t.detach().clone() for name, t in prepared.inputs.items()}
+    with stage("kernel") if stage else contextlib.nullcontext():
+        return _checked_call(prepared, problem, snapshot, failures, limit)
+
+
+def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict[str, torch.Tensor],
+                  failures: list[str], limit: _Limit) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     try:
-        raw = _invoke(prepared, problem.out_shape, problem.device)
-    except torch.OutOfMemoryError:
-        raise  # judged as the shared GPU's state, in run_case
+        with time_limit(limit.seconds, limit.result.describe()):
+            raw = _invoke(prepared, problem.out_shape, problem.device)
+    except KernelTimeout as exc:
+        limit.result.hung = True
+        failures.append(f"the kernel {exc} (a kernel that does not return is a bug)")
+        return None
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
+        if is_out_of_memory(exc):
+            raise
         failures.append(f"kernel raised {_exc_line(exc)}")
         return None
     try:
@@ -141,8 +223,8 @@ def _run_kernel(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
                             + ("" if written else ", and left that buffer unwritten (out= ignored)"))
     if isinstance(out, torch.Tensor) and out.dtype != torch.bfloat16:
         failures.append(f"out dtype is {out.dtype}, the contract says bf16")
-    for name, before in snapshot.items():
-        changed = _changed(prepared.inputs[name], before)
+    names = list(snapshot)
+    for name, changed in zip(names, _changed_counts([(prepared.inputs[n], snapshot[n]) for n in names])):
         if changed:
             failures.append(f"kernel modified its input '{name}' ({changed} elements changed)")
     if not isinstance(out, torch.Tensor):
@@ -163,17 +245,17 @@ def _invoke(prepared: PreparedCall, out_shape: tuple[int, ...], device: torch.de
     return raw
 
 
-def _check_repeatable(backend: Backend, problem: DecodeProblem, layout: LayoutSpec, out: torch.Tensor,
-                      lse: torch.Tensor | None, failures: list[str], transform: str, seed: int = 0) -> None:
-    """Run again (after ``transform``) and require the very same bits."""
-    moved, unmap = metamorphic.transform(problem, transform, seed)
+def _check_repeatable(prepared: PreparedCall, problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
+                      failures: list[str], limit: _Limit, transform: str,
+                      unmap: metamorphic.Unmap | None = None) -> None:
+    """Call ``prepared`` (the same call, or the ``transform``ed problem's) and require the very same bits."""
     again_failures: list[str] = []
-    run = _run_kernel(backend, moved, layout, again_failures)
+    run = _call(prepared, problem, again_failures, limit)
     what = "a second identical call" if transform == "none" else metamorphic.DESCRIPTIONS[transform]
     if run is None or again_failures:
         failures.append(f"with {what}: " + (again_failures[0] if again_failures else "no output"))
         return
-    out2, lse2 = unmap(*run)
+    out2, lse2 = unmap(*run) if unmap is not None else run
     diff = _changed(out2, out)
     if diff:
         failures.append(f"not bit-identical with {what}: {diff} of {out.numel()} output elements differ")
@@ -181,12 +263,25 @@ def _check_repeatable(backend: Backend, problem: DecodeProblem, layout: LayoutSp
         failures.append(f"LSE not bit-identical with {what}")
 
 
+def _changed_counts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """``_changed`` of each pair, with one read back to the host for all of them."""
+    if not pairs:
+        return []
+    counts = [_changed_tensor(a, b) for a, b in pairs]
+    return [int(n) for n in torch.stack([c.to(counts[0].device) for c in counts]).tolist()]
+
+
 def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
     """Number of elements whose bits differ (NaN payloads included); shape changes count as all."""
+    return int(_changed_tensor(a, b))
+
+
+def _changed_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_changed`` as a 0-d int64 tensor on ``a``'s device (not read back)."""
     if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.numel(), b.numel())
+        return torch.tensor(max(a.numel(), b.numel()), device=a.device)
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
+    return (a.contiguous().view(ints) != b.contiguous().view(ints)).sum()
 
 
 def judge_reference(problem: DecodeProblem) -> ReferenceResult:
@@ -198,8 +293,15 @@ def judge_reference(problem: DecodeProblem) -> ReferenceResult:
 
 def _diagnose(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
               truth: ReferenceResult | None) -> list[str]:
+    """The diagnosis lines; it never turns a verdict into a crash: any error in it is one line instead."""
     from .diagnose import diagnose
-    return [str(e) for e in diagnose(problem, out, lse, lse_base, truth=truth)]
+    try:
+        return [str(e) for e in diagnose(problem, out, lse, lse_base, truth=truth)]
+    except Exception as exc:  # noqa: BLE001 - the verdict stands whatever diagnosis does
+        if is_out_of_memory(exc):
+            release_cached(problem.device)
+            return ["diagnosis skipped: out of device memory"]
+        return [f"diagnosis failed: {_exc_line(exc)}"]
 
 
 def _exc_line(exc: BaseException) -> str:
