@@ -12,14 +12,18 @@ import os
 import shlex
 import sys
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from .engine import DEFAULT_KERNEL_SECONDS
 from .errors import MLAVerifyError, UsageError
 
-EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+TRACEBACK_ENV = "MLA_VERIFY_TRACEBACK"  # set to 1 to see the traceback of an internal error
 DEFAULT_FIXTURES = Path("fixtures") / "regressions"
 
 
@@ -49,14 +53,22 @@ def positive_int(text: str) -> int:
     return _integer(text, 1)
 
 
-def _minutes(text: str) -> float:
+def _positive_number(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of minutes, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
     if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of minutes, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
     return value
+
+
+def _minutes(text: str) -> float:
+    return _positive_number(text, "minutes")
+
+
+def _seconds(text: str) -> float:
+    return _positive_number(text, "seconds")
 
 
 def parse_device(text: str) -> torch.device:
@@ -99,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
     check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
     check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
-    check.add_argument("--minutes", type=_minutes, metavar="M", help="stop drawing new cases after M minutes")
+    check.add_argument("--minutes", type=_minutes, metavar="M",
+                       help="end each backend's run after M minutes (plus at most the case in progress)")
+    check.add_argument("--case-timeout", type=_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
+                       help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
     check.add_argument("--report", metavar="PATH",
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
     check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
@@ -152,7 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"mla-verify {ns.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - no exit prints a traceback unless asked to
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+        print(f"mla-verify {ns.command}: internal error: {type(e).__name__}: {one_line(e)}{at} "
+              f"(set {TRACEBACK_ENV}=1 for the traceback, and please report it)", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def one_line(e: BaseException) -> str:
@@ -168,8 +191,10 @@ def _version() -> str:
 
 # ---------------------------------------------------------------- check
 def cmd_check(ns: argparse.Namespace) -> int:
+    from . import stage_times
     from .engine import verify
     from .fixtures import check_writable_dir
+    from .progress import Progress
     from .hypothesis_db import resolve_database
     from .profiles import get_profile
     from .report import build_report, check_report_path, write_report
@@ -201,11 +226,18 @@ def cmd_check(ns: argparse.Namespace) -> int:
         if reason is not None:
             results.append(verify(backend, device, profile))  # records the backend as unavailable
             continue
-        with _Progress(backend.name, ns.minutes or profile.minutes) as progress:
+        with Progress(backend.name, ns.minutes or profile.minutes, _planned_cases(backend, device, profile,
+                                                                                   ns.max_examples)) as progress:
             result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
-                            minutes=ns.minutes, database=database, on_case=progress.update)
+                            minutes=ns.minutes, database=database, on_case=progress.update,
+                            on_start=progress.start, kernel_seconds=ns.case_timeout)
         print(_summary_line(result), flush=True)
+        print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
         results.append(result)
+        if result.interrupted:
+            print(f"interrupted: the report holds the cases judged until then; "
+                  f"{len(backends) - len(results)} backend(s) not run", flush=True)
+            break
 
     fixtures = {}
     for r in results:
@@ -219,14 +251,28 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if report_path is not None:
         run = {"command": ns.command_line,
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
-               "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2)}
+               "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2),
+               "interrupted": any(r.interrupted for r in results),
+               "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
         report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
         print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
     failed = not selfcheck.ok or any(r.failure is not None for r in results)
     ran = sum(r.unavailable is None for r in results)
     if not ran and not failed:
         print("no backend could run here: only the reference self-check ran")
+    if any(r.interrupted for r in results):
+        return EXIT_INTERRUPTED
     return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None) -> int | None:
+    """How many cases a bounded profile runs at most (corner cases and drawn ones); None for fuzzing."""
+    from .strategies import budget_for, corner_cases
+
+    if profile.minutes is not None:
+        return None
+    corners = len(corner_cases(backend.envelope, budget_for(device))) if profile.corner_cases else 0
+    return corners + (max_examples or profile.max_examples)
 
 
 def _select_backends(kernels: list[str] | None, names: list[str] | None,
@@ -279,59 +325,25 @@ def _print_failure(case: Any, fixture: str | None) -> None:
 
 
 def _summary_line(result: Any) -> str:
+    from .harness import SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY
     from .report import count_verdicts, distinct_cases
 
     distinct = distinct_cases(result)
     counts = count_verdicts(c.verdict for c in distinct)
-    extra = " (time limit reached)" if result.timed_out else ""
+    kinds = Counter(c.skip_kind for c in distinct if c.verdict == "skip")
+    skipped = ", ".join(f"{kinds.get(kind, 0)} {what}" for kind, what in (
+        (SKIP_ENVELOPE, "outside the envelope"), (SKIP_LIBRARY, "refused by the library for their data"),
+        (SKIP_MEMORY, "out of device memory")) if kinds.get(kind))
+    extra = " (time limit reached)" if result.timed_out else " (interrupted)" if result.interrupted else ""
     return (f"{result.backend}: {result.verdict.upper()} -- {len(distinct)} distinct cases "
-            f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} outside the envelope) "
-            f"in {result.seconds:.1f} s{extra}")
+            f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+            f"{': ' + skipped if skipped else ''}) in {result.seconds:.1f} s{extra}")
 
 
 def _platform_line() -> str:
     from .platform import platform_info
 
     return platform_info().describe()
-
-
-class _Progress:
-    """Live counts on a terminal (stderr, redrawn in place at most 10 times a second); silent otherwise."""
-
-    REDRAW_S = 0.1
-
-    def __init__(self, name: str, minutes: float | None, stream: Any = None):
-        self.stream = stream or sys.stderr
-        self.live = self.stream.isatty()
-        self.name, self.minutes = name, minutes
-        self.counts = {"pass": 0, "fail": 0, "skip": 0}
-        self.started = self.last = time.monotonic()
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def update(self, case: Any) -> None:
-        self.counts[case.verdict] = self.counts.get(case.verdict, 0) + 1
-        now = time.monotonic()
-        if self.live and now - self.last >= self.REDRAW_S:
-            self.last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        elapsed = now - self.started
-        c = self.counts
-        line = (f"{self.name}: {sum(c.values())} cases, {c['fail']} failing, {c['skip']} skipped, "
-                f"{elapsed:.0f} s")
-        if self.minutes:
-            frac = min(1.0, elapsed / (60 * self.minutes))
-            line += f" [{'#' * int(20 * frac):<20}] of {self.minutes:g} min"
-        self.stream.write("\r" + line[:160] + "\x1b[K")
-        self.stream.flush()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.live:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
 
 
 # ---------------------------------------------------------------- replay
