@@ -6,7 +6,9 @@ reported as the smallest problem that still fails.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from .metamorphic import TRANSFORMS
 TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
 TILE_EDGE_HEADS = (63, 65, 96, 127, 3, 5, 7, 9, 15, 17, 33)
 DEFAULT_PAGE_SIZES = (1, 16, 32, 64)
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,21 +73,57 @@ def budget_for(device: torch.device | str, max_seq_len: int | None = None) -> Bu
     return Budget(units, batch, longest, token_budget(device, tokens))
 
 
-def head_counts(env: Envelope) -> st.SearchStrategy[int]:
-    named = [h for h in TP_HEADS[::-1] + TILE_EDGE_HEADS if env.allows_heads(h)]
-    anything = st.integers(1, env.max_heads).filter(env.allows_heads)
-    return st.one_of(st.sampled_from(named), anything) if named else anything
+# Drawing must cost far less than judging. Hypothesis validates every new strategy object it draws from (and
+# reads the source of filter predicates), so the strategies below are built once: module constants, and
+# integer ranges cached by their bounds. A choice between a named value and any value is a boolean and then
+# one draw, not a one_of: it shrinks the same way (False: the named values, the first one first).
+_BOOL = st.booleans()
+_SEED = st.integers(0, 2**31 - 1)
+_PROFILE_SEED = st.integers(0, 2**32 - 1)
+_SOFTMAX = st.floats(0.02, 0.3)
+_FP8_SCALE = st.floats(0.05, 4.0)
+_BMM2 = st.floats(0.1, 4.0)
+NAMED_SOFTMAX = (None, R1_SOFTMAX_SCALE)
+NAMED_SCALES = (1.0, 0.5, 2.0)
 
 
-def seq_len(page: int, lo: int, hi: int) -> st.SearchStrategy[int]:
-    """Lengths biased to the edges: 1, page-1, page, page+1, multiples of the page, the maximum."""
-    edges = _edges(page, lo, hi)
-    return st.one_of(st.sampled_from(edges), st.integers(lo, hi)) if edges else st.integers(lo, hi)
+@functools.lru_cache(maxsize=None)
+def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
+    return st.integers(lo, hi)
 
 
-def _edges(page: int, lo: int, hi: int) -> list[int]:
-    return sorted({e for e in (1, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
-                   if lo <= e <= hi})
+def _pick(draw: st.DrawFn, items: Sequence[T]) -> T:
+    """One of ``items``; shrinks toward the first."""
+    return items[draw(_ints(0, len(items) - 1))] if len(items) > 1 else items[0]
+
+
+def _named_or(draw: st.DrawFn, named: Sequence[T], anything: st.SearchStrategy[T]) -> T:
+    """Mostly one of ``named`` (shrinking toward the first), else any value ``anything`` draws."""
+    return draw(anything) if draw(_BOOL) or not named else _pick(draw, named)
+
+
+def _heads(draw: st.DrawFn, env: Envelope) -> int:
+    named, allowed = _head_choices(env)
+    return _pick(draw, named) if named and not draw(_BOOL) else _pick(draw, allowed)
+
+
+@functools.lru_cache(maxsize=None)
+def _head_choices(env: Envelope) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the TP and tile-edge head counts the envelope allows, every head count it allows)."""
+    allowed = tuple(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
+    return tuple(h for h in TP_HEADS[::-1] + TILE_EDGE_HEADS if h in allowed), allowed
+
+
+def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int) -> int:
+    """A length in [lo, hi] biased to the edges: the shortest, page-1, page, page+1, multiples of the page, the
+    maximum. Shrinks to ``lo``."""
+    return _named_or(draw, _edges(page, lo, hi), _ints(lo, hi))
+
+
+@functools.lru_cache(maxsize=4096)
+def _edges(page: int, lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(sorted({e for e in (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
+                         if lo <= e <= hi}))
 
 
 EXPLICIT_BATCH = 8  # up to this many requests the lengths are drawn one by one; above it, as a profile
@@ -103,7 +142,7 @@ def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: 
     elif profile == "uniform":
         lens = rng.integers(lo, hi + 1, batch)
     elif profile == "edges":
-        lens = rng.choice(np.array(_edges(page, lo, hi) or [hi]), batch)
+        lens = rng.choice(np.array(_edges(page, lo, hi) or (hi,)), batch)
     elif profile == "one_long":
         lens = np.full(batch, lo)
         lens[rng.integers(batch)] = hi
@@ -112,8 +151,7 @@ def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: 
     return tuple(int(n) for n in lens)
 
 
-@st.composite
-def batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> tuple[int, ...]:
+def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> tuple[int, ...]:
     """The requests' KV lengths in [lo, hi], one of them often ``hi``.
 
     Drawing cost does not grow with the batch: up to EXPLICIT_BATCH requests each length is drawn (and
@@ -122,58 +160,62 @@ def batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> t
     needs many requests thus stays readable, and one that does not shrinks to the explicit form.
     """
     if batch <= EXPLICIT_BATCH:
-        lens = draw(st.lists(seq_len(page, lo, hi), min_size=batch, max_size=batch))
-        if draw(st.booleans()):  # one request at the case's maximum
-            lens[draw(st.integers(0, batch - 1))] = hi
+        lens = [_seq_len(draw, page, lo, hi) for _ in range(batch)]
+        if draw(_BOOL):  # one request at the case's maximum
+            lens[_pick(draw, range(batch))] = hi
         return tuple(lens)
-    profile = draw(st.sampled_from(LENGTH_PROFILES))
-    floor = draw(st.one_of(st.just(lo), st.integers(lo, hi)))
-    return expand_lengths(profile, batch, page, floor, hi, draw(st.integers(0, 2**32 - 1)))
+    profile = _pick(draw, LENGTH_PROFILES)
+    floor = draw(_ints(lo, hi)) if draw(_BOOL) else lo
+    return expand_lengths(profile, batch, page, floor, hi, draw(_PROFILE_SEED))
 
 
-@st.composite
-def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
-    page = draw(st.sampled_from(env.page_sizes or DEFAULT_PAGE_SIZES))
-    dtype = draw(st.sampled_from(env.dtypes))
-    rank, rope = draw(st.sampled_from(env.dims_for(dtype)))
-    heads = draw(head_counts(env))
+def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
+    page = _pick(draw, env.page_sizes or DEFAULT_PAGE_SIZES)
+    dtype = _pick(draw, env.dtypes)
+    rank, rope = _pick(draw, env.dims_for(dtype))
+    heads = _heads(draw, env)
     q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5)))  # q_len tokens >= q_len
-    q_len = draw(st.one_of(st.just(env.q_len[0]), st.integers(env.q_len[0], q_hi)))
-    extra_pages = draw(st.integers(0, 8))
+    q_len = draw(_ints(env.q_len[0], q_hi)) if draw(_BOOL) else env.q_len[0]
+    extra_pages = draw(_ints(0, 8))
     # cached tokens the sequences may take: the budget less the unused pages (at least one page)
     room = max(page, budget.max_tokens - extra_pages * page)
     # the longest sequence of this case, then a batch that fits the budget with it
     top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len), room))
-    cap = draw(seq_len(page, q_len, top))
+    cap = _seq_len(draw, page, q_len, top)
     max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len),
                        room // (-(-cap // page) * page)))
-    batch = draw(st.one_of(st.integers(1, min(4, max_b)), st.integers(1, max_b)))
-    lens = draw(batch_lengths(batch, page, q_len, cap))
-    softmax = draw(st.sampled_from([None, R1_SOFTMAX_SCALE]) | st.floats(0.02, 0.3))
+    batch = draw(_ints(1, max_b if draw(_BOOL) else min(4, max_b)))
+    lens = _batch_lengths(draw, batch, page, q_len, cap)
+    softmax = _named_or(draw, NAMED_SOFTMAX, _SOFTMAX)
     q_scale = k_scale = 1.0
     if dtype == "fp8":  # realistic per-tensor scales, k_scale != 1 included
-        q_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
-        k_scale = draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.05, 4.0))
+        q_scale = _named_or(draw, NAMED_SCALES, _FP8_SCALE)
+        k_scale = _named_or(draw, NAMED_SCALES, _FP8_SCALE)
     return ProblemSpec(
         seq_lens=lens, q_len=q_len, num_heads=heads, page_size=page, kv_lora_rank=rank,
         qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
-        bmm2_extra=draw(st.sampled_from([1.0, 0.5, 2.0]) | st.floats(0.1, 4.0)),
-        extra_pages=extra_pages, shuffle_pages=draw(st.sampled_from([True, False])),
-        table_pad=draw(st.integers(0, 4)), pad_fill=draw(st.sampled_from(PAD_FILLS)),
-        values=draw(st.sampled_from(VALUE_KINDS)), seed=draw(st.integers(0, 2**31 - 1)))
+        bmm2_extra=_named_or(draw, NAMED_SCALES, _BMM2), extra_pages=extra_pages,
+        shuffle_pages=not draw(_BOOL), table_pad=draw(_ints(0, 4)), pad_fill=_pick(draw, PAD_FILLS),
+        values=_pick(draw, VALUE_KINDS), seed=draw(_SEED))
+
+
+def _layout(draw: st.DrawFn, env: Envelope) -> LayoutSpec:
+    pad = draw(_ints(1, 8)) if env.page_strided and draw(_BOOL) else 0
+    return LayoutSpec(cache_dims=_pick(draw, env.cache_dims), page_stride_pad=pad,
+                      table_width=_pick(draw, env.table_widths), pass_out=_pick(draw, env.pass_out),
+                      return_lse=env.lse and draw(_BOOL))
 
 
 @st.composite
-def layouts(draw: st.DrawFn, env: Envelope) -> LayoutSpec:
-    pad = draw(st.sampled_from([0]) | st.integers(1, 8)) if env.page_strided else 0
-    return LayoutSpec(cache_dims=draw(st.sampled_from(env.cache_dims)), page_stride_pad=pad,
-                      table_width=draw(st.sampled_from(env.table_widths)),
-                      pass_out=draw(st.sampled_from(env.pass_out)),
-                      return_lse=draw(st.booleans()) if env.lse else False)
+def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
+    """Problems inside ``env`` and ``budget``; each choice shrinks toward the plainest case."""
+    return _spec(draw, env, budget)
 
 
-def cases(env: Envelope, budget: Budget) -> st.SearchStrategy[Case]:
-    return st.builds(Case, specs(env, budget), layouts(env), st.sampled_from(TRANSFORMS))
+@st.composite
+def cases(draw: st.DrawFn, env: Envelope, budget: Budget) -> Case:
+    """A problem, its layout and one metamorphic check (shrinking toward none)."""
+    return Case(_spec(draw, env, budget), _layout(draw, env), _pick(draw, TRANSFORMS))
 
 
 def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
