@@ -66,9 +66,11 @@ class _Clock:
     deadline: float | None
     drawing_since: float = 0.0
     draw_seconds: float = 0.0
+    expired: bool = False
 
     def check(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
+            self.expired = True
             raise _Stop("time up")
 
     def drawn(self) -> float:
@@ -179,8 +181,13 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
         search = hypothesis_seed(seed)(search)
     try:
         search()
-    except (_CaseFailed, Flaky):  # Flaky: the minimal failure did not fail again; _replayed says so
+    except _CaseFailed:
         pass
+    except Flaky:
+        # Hypothesis turns a stop inside a draw into "inconsistent data generation"; otherwise Flaky means
+        # the minimal failure did not fail again, which _replayed says
+        if clock.expired:
+            raise _Stop("time up") from None
 
 
 def _hung(result: EngineResult) -> CaseResult | None:
