@@ -119,7 +119,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
-            budget.shrink_below(_cached_tokens(case))
+            budget.shrink_below(_cached_tokens(case), case.spec.batch * case.spec.q_len * case.spec.num_heads)
         result.cases.append(r)
         if on_case is not None:
             on_case(r)
@@ -139,7 +139,12 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
                     break
         # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
         # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
-        _search(backend, prof, max_examples, database, seed, budget, clock, record, drawn)
+        # Hypothesis may end a search before the deadline by its own rules (e.g. it judges a small envelope
+        # exhausted); a time-bounded random search then starts another until the deadline
+        while True:
+            _search(backend, prof, max_examples, database, seed, budget, clock, record, drawn)
+            if drawn or prof.deterministic or clock.deadline is None:
+                break
     except _Stop as stop:
         result.timed_out = str(stop) == "time up"
     except KeyboardInterrupt:

@@ -18,6 +18,10 @@ import torch
 # (at most twice the cache bytes each, reference.py: 2.3 KB) -- ~10.4 KB, rounded up for the allocator's
 # fragmentation.
 BYTES_PER_TOKEN = 16 << 10
+# Peak device bytes per output row (one query token of one head, 512 values): the comparison's float64 copies
+# of the output, reference and baseline and their differences (~10 x 4 KB), the reference's and baseline's
+# float32 results and the kernel's bf16 outputs (~8 KB).
+BYTES_PER_ROW = 64 << 10
 FIXED_BYTES = 512 << 20  # a backend's workspace (128 MiB) and the allocator's own slack
 SHARE_OF_FREE = 0.5  # of the free memory at start, divided among the processes sharing the device
 SHARERS_ENV = "MLA_VERIFY_DEVICE_SHARERS"  # override: how many processes share this device
@@ -49,15 +53,18 @@ def device_sharers(environ: dict[str, str] | None = None) -> int:
     return math.ceil(int(workers) / gpus)
 
 
-def token_budget(device: torch.device, cap: int) -> int:
-    """The most cached tokens one case may hold on ``device``: at most ``cap``; on a GPU, this process's share
-    of the free memory, rounded down to a power of two (so that a run with a little more or less memory free
-    draws the same cases: premerge stays the same from run to run on a similar machine)."""
+def memory_budget(device: torch.device, max_tokens: int, max_rows: int) -> tuple[int, int]:
+    """(cached tokens, output rows) one case may hold on ``device``, at most the caps given. On a GPU: half of
+    this process's share of the free memory for each, rounded down to a power of two (so that a run with a
+    little more or less memory free draws the same cases: premerge stays the same from run to run on a
+    similar machine)."""
     if device.type != "cuda":
-        return cap
+        return max_tokens, max_rows
     free, _ = torch.cuda.mem_get_info(device)
-    share = SHARE_OF_FREE * free / device_sharers() - FIXED_BYTES
-    tokens = int(share // BYTES_PER_TOKEN)
-    if tokens < 1:
-        return 1
-    return min(cap, 1 << (tokens.bit_length() - 1))
+    half = (SHARE_OF_FREE * free / device_sharers() - FIXED_BYTES) / 2
+    return _power_of_two(half / BYTES_PER_TOKEN, max_tokens), _power_of_two(half / BYTES_PER_ROW, max_rows)
+
+
+def _power_of_two(count: float, cap: int) -> int:
+    n = int(count)
+    return 1 if n < 1 else min(cap, 1 << (n.bit_length() - 1))

@@ -18,7 +18,7 @@ from .backends.base import Envelope
 from .dims import R1_SOFTMAX_SCALE
 from .generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
 from .layouts import LayoutSpec
-from .memory import token_budget
+from .memory import memory_budget
 from .metamorphic import TRANSFORMS
 
 TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
@@ -31,30 +31,38 @@ T = TypeVar("T")
 class Budget:
     """How big one case may be on a device, so that runs fit their time and memory.
 
-    ``max_tokens`` bounds the cached tokens a case holds (pool pages included), which is what its memory
-    grows with (memory.py); the engine lowers it for the rest of a run after an out-of-memory error, and the
-    strategies read it at each draw.
+    ``max_tokens`` (cached tokens, pool pages included) and ``max_rows`` (output rows: batch x q_len x heads)
+    bound what a case's memory grows with (memory.py). After an out-of-memory error the engine lowers
+    ``cap_tokens``/``cap_rows`` for the rest of the run; they clamp each drawn case afterwards (its lengths
+    scaled down, its batch cut) rather than change what is drawn, since Hypothesis requires the same choices
+    to draw the same way for the whole run.
     """
 
     units: int  # sum(seq_lens) * heads * q_len: the (query token, head, KV token) triples to compute
     max_batch: int
     max_seq_len: int
     max_tokens: int
+    max_rows: int
+    cap_tokens: int | None = None
+    cap_rows: int | None = None
 
-    def shrink_below(self, tokens: int) -> None:
-        """After an out-of-memory error on a case of ``tokens`` cached tokens: draw at most half of it."""
-        self.max_tokens = max(1, min(self.max_tokens, tokens // 2))
+    def shrink_below(self, tokens: int, rows: int) -> None:
+        """After an out-of-memory error on a case of ``tokens`` cached tokens and ``rows`` output rows: at most
+        half of each from now on."""
+        self.cap_tokens = max(1, min(self.cap_tokens or tokens, tokens // 2))
+        self.cap_rows = max(1, min(self.cap_rows or rows, rows // 2))
 
 
-# (units, max_batch, max_seq_len, max_tokens) per device type
+# (units, max_batch, max_seq_len, max_tokens, max_rows) per device type
 BUDGETS = {
     # 2e5 triples ~ 0.4 GFLOP a pass; a case makes ~5 passes (kernel, fp64 reference, baseline, repeat,
-    # metamorphic), ~0.1-0.3 s on one 2-core CI machine.
-    "cpu": (200_000, 1024, 1 << 17, 1 << 18),
+    # metamorphic), ~0.1-0.3 s on one 2-core CI machine. Tokens and rows are bounded by the units here.
+    "cpu": (200_000, 1024, 1 << 17, 1 << 18, 1 << 18),
     # ~6e7 triples: B=128, H=128, ~3.6k tokens; a few ms of kernel and reference on an H200. At most 2^20
-    # cached tokens (1.2 GB of bf16 cache): larger cases cost more time than they find bugs the longest
-    # sequence (2^17) and the largest batch do not; memory.token_budget lowers it on a shared GPU.
-    "cuda": (64_000_000, 1024, 1 << 17, 1 << 20),
+    # cached tokens (1.2 GB of bf16 cache) and 2^17 output rows (e.g. B=1024 x H=128): larger cases cost more
+    # time and memory than they find bugs that the longest sequence (2^17) and the largest batch do not;
+    # memory.memory_budget lowers both on a shared GPU.
+    "cuda": (64_000_000, 1024, 1 << 17, 1 << 20, 1 << 17),
 }
 
 
@@ -68,9 +76,28 @@ class Case:
 def budget_for(device: torch.device | str, max_seq_len: int | None = None) -> Budget:
     """A fresh budget for a run on ``device`` (on a GPU, sized from this process's share of free memory)."""
     device = torch.device(device)
-    units, batch, longest, tokens = BUDGETS["cuda" if device.type == "cuda" else "cpu"]
+    units, batch, longest, tokens, rows = BUDGETS["cuda" if device.type == "cuda" else "cpu"]
     longest = longest if max_seq_len is None else min(longest, max_seq_len)
-    return Budget(units, batch, longest, token_budget(device, tokens))
+    return Budget(units, batch, longest, *memory_budget(device, tokens, rows))
+
+
+def clamp_lengths(lens: tuple[int, ...], page: int, q_len: int, heads: int, extra_pages: int,
+                  cap_tokens: int | None, cap_rows: int | None) -> tuple[int, ...]:
+    """``lens`` cut to at most ``cap_rows`` output rows and to ``cap_tokens`` cached tokens: the lengths scaled
+    down (each at least ``q_len``), then requests dropped from the end while whole pages still exceed it. One
+    request is always left. Unchanged without caps or when they fit."""
+    def tokens(ns: tuple[int, ...]) -> int:
+        return sum(-(-n // page) * page for n in ns) + extra_pages * page
+
+    if cap_rows is not None:
+        lens = lens[:max(1, cap_rows // (q_len * heads))]
+    if cap_tokens is None or tokens(lens) <= cap_tokens:
+        return lens
+    scale = cap_tokens / tokens(lens)
+    lens = tuple(max(q_len, int(n * scale)) for n in lens)
+    while len(lens) > 1 and tokens(lens) > cap_tokens:
+        lens = lens[:-1]
+    return lens
 
 
 # Drawing must cost far less than judging. Hypothesis validates every new strategy object it draws from (and
@@ -174,7 +201,8 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     dtype = _pick(draw, env.dtypes)
     rank, rope = _pick(draw, env.dims_for(dtype))
     heads = _heads(draw, env)
-    q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5)))  # q_len tokens >= q_len
+    q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5),  # q_len tokens >= q_len
+                                 budget.max_rows // heads))
     q_len = draw(_ints(env.q_len[0], q_hi)) if draw(_BOOL) else env.q_len[0]
     extra_pages = draw(_ints(0, 8))
     # cached tokens the sequences may take: the budget less the unused pages (at least one page)
@@ -183,9 +211,10 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len), room))
     cap = _seq_len(draw, page, q_len, top)
     max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len),
-                       room // (-(-cap // page) * page)))
+                       room // (-(-cap // page) * page), budget.max_rows // (heads * q_len)))
     batch = draw(_ints(1, max_b if draw(_BOOL) else min(4, max_b)))
-    lens = _batch_lengths(draw, batch, page, q_len, cap)
+    lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap), page, q_len, heads, extra_pages,
+                         budget.cap_tokens, budget.cap_rows)
     softmax = _named_or(draw, NAMED_SOFTMAX, _SOFTMAX)
     q_scale = k_scale = 1.0
     if dtype == "fp8":  # realistic per-tensor scales, k_scale != 1 included
@@ -245,7 +274,8 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
     room = budget.max_tokens - r1["extra_pages"] * large  # cached tokens left beside the unused pages
     longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo), room)
     # each of the widest batch's sequences (at most large + 1 tokens) takes up to two pages
-    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)), room // (2 * large))
+    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)), room // (2 * large),
+                 budget.max_rows // (h_min * q_lo))
     out = [
         Case(ProblemSpec(seq_lens=edges(small), q_len=q_hi, num_heads=h_few, page_size=small, bmm2_extra=1.5,
                          seed=1, **r1), native, "pages"),

@@ -10,7 +10,7 @@ from mla_verify.strategies import Budget, cases, corner_cases, budget_for
 NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8, 16), dtypes=("fp8",),
                                   q_len=(2, 3), cache_dims=(4,), page_strided=False, table_widths=("pad128",),
                                   pass_out=(True,), lse=False, max_batch=5, max_seq_len=300)
-SMALL = Budget(units=20_000, max_batch=64, max_seq_len=4096, max_tokens=6000)
+SMALL = Budget(units=20_000, max_batch=64, max_seq_len=4096, max_tokens=6000, max_rows=300)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -22,6 +22,7 @@ def test_drawn_cases_fit_envelope_and_budget(env, data):
     assert sum(s.seq_lens) * s.num_heads * s.q_len <= SMALL.units
     pages = sum(-(-n // s.page_size) for n in s.seq_lens) + s.extra_pages
     assert pages * s.page_size <= SMALL.max_tokens
+    assert s.batch * s.q_len * s.num_heads <= SMALL.max_rows
     assert all(n >= s.q_len for n in s.seq_lens)
 
 
@@ -54,3 +55,30 @@ def test_failure_is_shrunk_and_diagnosed():
     s = result.failure.spec
     assert s.q_len == 2 and s.batch == 1  # the smallest problem where a causal mask matters
     assert result.failure.failures
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_after_an_oom_drawn_cases_fit_the_lowered_caps(data):
+    budget = Budget(units=20_000, max_batch=64, max_seq_len=4096, max_tokens=6000, max_rows=300)
+    budget.shrink_below(tokens=800, rows=40)  # a case of 800 tokens and 40 rows ran out of memory
+    s = data.draw(cases(TRTLLM_ENVELOPE, budget)).spec
+    pages = sum(-(-n // s.page_size) for n in s.seq_lens) + s.extra_pages
+    assert pages * s.page_size <= 400 or s.batch == 1  # one request is always left
+    assert s.batch * s.q_len * s.num_heads <= 20 or s.batch == 1
+    assert all(n >= s.q_len for n in s.seq_lens)
+
+
+def test_large_batches_are_drawn_and_reach_the_test_body():
+    # a batch of hundreds of requests costs a few draws (a length profile), so Hypothesis's choice buffer does
+    # not overrun and such cases are judged, not discarded (with a list of one draw per request, none were)
+    budget = Budget(units=64_000_000, max_batch=1024, max_seq_len=1 << 17, max_tokens=1 << 20, max_rows=1 << 17)
+    batches = []
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(cases(TRTLLM_ENVELOPE, budget))
+    def draw(case):
+        batches.append(case.spec.batch)
+
+    draw()
+    assert max(batches) > 256
