@@ -73,7 +73,8 @@ def flashmla_args(problem: DecodeProblem, layout: LayoutSpec) -> FlashMLAArgs:
 def install_hint() -> str | None:
     """None when the ``flash_mla`` package is installed; otherwise the one line saying how to get it."""
     if importlib.util.find_spec("flash_mla") is None:
-        return f"install FlashMLA: no flash_mla package here (not on the package index: build it from {FLASHMLA_SOURCE})"
+        return ("install FlashMLA: no flash_mla package here "
+                f"(not on the package index: build it from {FLASHMLA_SOURCE})")
     return None
 
 
