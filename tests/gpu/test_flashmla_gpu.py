@@ -8,15 +8,11 @@ one split, the cache page-strided and not, the table at native and padded width.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from test_flashinfer_gpu import MAX_EXAMPLES, MIN_PASS, RECORD_DIR, _cuda, _record, _runnable
+from test_flashinfer_gpu import MIN_PASS, _cuda, _runnable, acceptance_run
 
 from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.engine import verify
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
@@ -49,11 +45,5 @@ def test_flashmla_grid(heads: int, q_len: int) -> None:
 
 def test_flashmla_passes_the_premerge_run() -> None:
     backend, device = _flashmla()
-    result = verify(backend, device, profile="premerge", max_examples=MAX_EXAMPLES)
-    record = _record(result)
-    if RECORD_DIR:
-        path = Path(RECORD_DIR) / f"{NAME}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-    assert result.failure is None, f"{result.failure.describe()}: {result.failure.failures}"
+    record = acceptance_run(backend, device)
     assert record["passed"] >= MIN_PASS, record["skip_reasons"]

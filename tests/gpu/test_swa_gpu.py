@@ -4,21 +4,18 @@ Marked ``gpu``; skips with the backend's own reason where it cannot run (no CUDA
 ``batch_decode_with_kv_cache_mla_swa``). The grid crosses every batch size and q_len FlashInfer qualifies with
 lengths at the window's edges (the window is 513 tokens with the query token: 512, 513, 514 and 512 + q_len
 cut it or just do not) and at page edges, the table at native and padded width, ``out`` passed and allocated.
-The acceptance run is ``verify(..., "premerge")`` over the envelope; with MLA_VERIFY_GPU_RECORD=DIR it writes
+The acceptance run is the premerge run over the envelope; with MLA_VERIFY_GPU_RECORD=DIR it writes
 DIR/flashinfer-swa.json (date, platform, cases, coverage, worst errors).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from test_flashinfer_gpu import MIN_PASS, RECORD_DIR, _cuda, _record, _runnable
+from test_flashinfer_gpu import MIN_PASS, _cuda, _runnable, acceptance_run
 
 from mla_verify.backends.flashinfer_swa import SWA_ENVELOPE, SWA_WINDOW
-from mla_verify.engine import verify
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
@@ -63,15 +60,8 @@ def test_swa_passes_the_premerge_run() -> None:
     """Needs strategies that draw the envelope's windows, batch sizes and q_lens: until they do, every drawn
     case is outside the envelope, and this says so instead of passing on nothing."""
     device = _cuda()
-    backend = _runnable(NAME, device)
-    result = verify(backend, device, profile="premerge", max_examples=int(os.environ.get(
-        "MLA_VERIFY_GPU_MAX_EXAMPLES", "200")))
-    record = _record(result)
-    if RECORD_DIR:
-        path = Path(RECORD_DIR) / f"{NAME}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-    assert result.failure is None, f"{result.failure.describe()}: {result.failure.failures}"
+    record = acceptance_run(_runnable(NAME, device), device,
+                            int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", "200")))
     if record["passed"] == 0:
         pytest.skip(f"no drawn case was inside the envelope: {sorted(record['skip_reasons'])[:3]}")
     assert record["passed"] >= min(MIN_PASS, 100), record["skip_reasons"]
