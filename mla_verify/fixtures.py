@@ -84,6 +84,7 @@ def save_fixture(directory: str | os.PathLike, fixture_id: str, problem: DecodeP
         "bmm1_scale": problem.bmm1_scale,
         "bmm2_scale": problem.bmm2_scale,
         "max_seq_len": problem.max_seq_len,
+        **({} if problem.window_left is None else {"window_left": problem.window_left}),
         "source_device": str(problem.device),
         "versions": library_versions(),
         "tensors_file": tensors_path.name,
@@ -117,7 +118,8 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     _check_tensors(tensors_path, tensors, meta.get("tensors"))
     try:
         problem = DecodeProblem(*(tensors.pop(n) for n in PROBLEM_TENSORS), MLADims(**meta["dims"]),
-                                float(meta["bmm1_scale"]), float(meta["bmm2_scale"]), meta.get("max_seq_len"))
+                                float(meta["bmm1_scale"]), float(meta["bmm2_scale"]), meta.get("max_seq_len"),
+                                meta.get("window_left"))
         problem.validate()
         spec = ProblemSpec.from_json(meta["spec"]) if meta.get("spec") else None
         layout = LayoutSpec(**meta.get("layout", {}))

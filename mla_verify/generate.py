@@ -44,6 +44,7 @@ class ProblemSpec:
     values: str = "normal"
     max_seq_len: int | None = None
     seed: int = 0
+    window_left: int | None = None  # a sliding window (DecodeProblem.window_left); None: plain causal
 
     @property
     def dims(self) -> MLADims:
@@ -70,6 +71,8 @@ class ProblemSpec:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["seq_lens"] = list(self.seq_lens)
+        if self.window_left is None:  # absent unless set, so the ids of specs without a window never changed
+            del d["window_left"]
         return d
 
     @classmethod
@@ -91,7 +94,8 @@ class ProblemSpec:
         return (f"B={self.batch} H={self.num_heads} q_len={self.q_len} page={self.page_size} "
                 f"dims=({self.kv_lora_rank},{self.qk_rope_head_dim}) {self.dtype} seq_lens={shown} "
                 f"bmm1={self.bmm1_scale:.6g} bmm2={self.bmm2_scale:.6g} values={self.values} "
-                f"pool=+{self.extra_pages} pad=+{self.table_pad}({self.pad_fill}) seed={self.seed}")
+                f"pool=+{self.extra_pages} pad=+{self.table_pad}({self.pad_fill}) seed={self.seed}"
+                + ("" if self.window_left is None else f" window_left={self.window_left}"))
 
 
 def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> DecodeProblem:
@@ -130,7 +134,7 @@ def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> Deco
     pool[table[used_mask].long()] = torch.where(
         valid[used_mask][..., None], kv_tokens.view(used, page, width), float("nan"))
     problem = DecodeProblem(q.to(dtype), pool.to(dtype), table, lens, dims, spec.bmm1_scale, spec.bmm2_scale,
-                            spec.max_seq_len)
+                            spec.max_seq_len, spec.window_left)
     return problem.validate()
 
 

@@ -5,6 +5,8 @@ The canonical form every backend layout is derived from:
   kv_cache    [P, page_size, kv_lora_rank + qk_rope_head_dim]   one latent row per token: kv_c then k_pe
   block_table [B, W] int32; row b's first ceil(seq_len/page) entries are the pages of sequence b
   seq_lens    [B] int32, KV length *including* the q_len new tokens (token i sits at seq_len - q_len + i)
+  window_left None (causal attention over the whole prefix) or a sliding window: query token i also sees the
+              window_left positions before its own and no earlier ones (FlashInfer's ``window_left``)
 Scores are ``bmm1_scale * q.k`` (bmm1_scale includes the softmax scale and any fp8 dequant scales);
 the output is ``bmm2_scale * softmax(scores) @ kv_c``.
 """
@@ -31,6 +33,7 @@ class DecodeProblem:
     bmm1_scale: float
     bmm2_scale: float = 1.0
     max_seq_len: int | None = None  # None: max(seq_lens)
+    window_left: int | None = None  # None: no sliding window (see the module docstring)
 
     @property
     def batch(self) -> int:
@@ -109,6 +112,9 @@ class DecodeProblem:
         if self.max_seq_len is not None:
             _expect(self.max_seq_len >= max(lens), "max_seq_len",
                     f"max_seq_len = {self.max_seq_len} is below the longest sequence ({max(lens)})")
+        w = self.window_left
+        _expect(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0), "window_left",
+                f"must be None or an int >= 0, got {w!r}")
         for name, v in (("bmm1_scale", self.bmm1_scale), ("bmm2_scale", self.bmm2_scale)):
             _expect(isinstance(v, (int, float)) and v == v and abs(v) != float("inf"), name,
                     f"must be a finite number, got {v!r}")
@@ -117,7 +123,8 @@ class DecodeProblem:
     def to(self, device: torch.device | str) -> "DecodeProblem":
         """The same problem with every tensor on ``device``."""
         return DecodeProblem(self.query.to(device), self.kv_cache.to(device), self.block_table.to(device),
-                             self.seq_lens.to(device), self.dims, self.bmm1_scale, self.bmm2_scale, self.max_seq_len)
+                             self.seq_lens.to(device), self.dims, self.bmm1_scale, self.bmm2_scale, self.max_seq_len,
+                             self.window_left)
 
 
 def _expect(ok: bool, field: str, message: str) -> None:

@@ -62,7 +62,8 @@ class ReferenceResult:
 def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.float64,
                      chunk_bytes: int | None = None, p_dtype: torch.dtype | None = None,
                      matmul: str = "exact") -> ReferenceResult:
-    """Exact attention of every query token over its causal prefix of the paged cache.
+    """Exact attention of every query token over its causal prefix of the paged cache (the part of it within
+    the problem's sliding window, if it has one).
 
     ``matmul="exact"`` converts the operands to ``precision`` (float64 by default). ``matmul="bf16-split"``
     (bf16 / fp8 inputs only; float32 results) keeps the operands in bf16 -- fp8 and bf16 values are exact
@@ -110,7 +111,10 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     # query token, seq_len and after, two launches fewer
     first_hidden_at = seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device) if Q > 1 else seq_lens[:, None]
     hidden = positions >= first_hidden_at[:, :, None, None]
-    rows = _cache_rows(p.block_table[longest_first, :longest // page], hidden[:, -1, 0], positions[:page], page)
+    past_end = hidden[:, -1, 0]
+    if p.window_left is not None:  # a sliding window also hides what lies before each token's window
+        hidden = hidden | (positions < first_hidden_at[:, :, None, None] - (p.window_left + 1))
+    rows = _cache_rows(p.block_table[longest_first, :longest // page], past_end, positions[:page], page)
     queries = p.query[longest_first].reshape(B, Q * H, D).to(operand)
     cache_rows = p.kv_cache.flatten(0, 1)  # a copy only for a pool whose pages cannot merge: once, here
     # what each group writes: out (in split mode its two halves' products, summed once at the end), each row's
@@ -130,7 +134,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             # mask's two launches fewer, 0.5-6% of a call (2026-12-02/reference-timeline, micro.patch)
             kv = torch.embedding(cache_rows, rows[group, :tokens])
             # positions before the group's shortest sequence's first causal limit are visible to every token
-            first_hidden = lens[stop - 1] - Q + 1  # >= 1: validation keeps seq_len >= q_len
+            # (>= 1: validation keeps seq_len >= q_len) -- unless a sliding window hides the earliest ones
+            first_hidden = lens[stop - 1] - Q + 1 if p.window_left is None else 0
             _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
                     (out[group], top[group], top_share[group], top_at[group]))
     lse = top.sub_(top_share.log_())
@@ -288,7 +293,11 @@ def unabsorbed_decode(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.
         qp = p.query[b, :, :, L:].double().transpose(0, 1)  # [H, Q, rope]
         s = (qn @ k_nope.transpose(1, 2) + qp @ k_pe.T[None]) * p.bmm1_scale  # [H, Q, n]
         limit = n - p.q_len + torch.arange(p.q_len, device=p.device)
-        s = s.masked_fill(torch.arange(n, device=p.device)[None, None, :] > limit[None, :, None], float("-inf"))
+        at = torch.arange(n, device=p.device)[None, None, :]
+        hidden = at > limit[None, :, None]
+        if p.window_left is not None:
+            hidden |= at < limit[None, :, None] - p.window_left
+        s = s.masked_fill(hidden, float("-inf"))
         outs.append((torch.softmax(s, -1) @ v).transpose(0, 1) * p.bmm2_scale)  # [Q, H, v]
     return torch.stack(outs)
 

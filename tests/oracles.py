@@ -1,8 +1,9 @@
 """Test-only forms of MLA decode that share no code with the reference: the definitions, written out slowly.
 
 - ``naive_decode``: float64, one (sequence, query token, head, KV position) at a time, following the block
-  table token by token.
-- ``sdpa_decode``: torch's scaled_dot_product_attention per sequence with an explicit bottom-right causal mask.
+  table token by token (from the first position of a sliding window, if the problem has one).
+- ``sdpa_decode``: torch's scaled_dot_product_attention per sequence with an explicit bottom-right causal mask
+  (banded by the sliding window, if any).
 Tiny problems only (a few heads, a few hundred tokens). ``naive_errors`` measures a ReferenceResult against
 ``naive_decode``; ``F64_TOL`` bounds a float64 result against a float64 form.
 """
@@ -38,8 +39,9 @@ def naive_decode(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     lse_2 = torch.empty_like(lse_e)
     for b in range(p.batch):
         for i in range(p.q_len):
-            position = lens[b] - p.q_len + i  # this query token's own KV position; it sees 0..position
-            rows = [cache[table[b][t // p.page_size], t % p.page_size] for t in range(position + 1)]
+            position = lens[b] - p.q_len + i  # this query token's own KV position; it sees 0..position,
+            first = 0 if p.window_left is None else max(0, position - p.window_left)  # or its window of it
+            rows = [cache[table[b][t // p.page_size], t % p.page_size] for t in range(first, position + 1)]
             for h in range(p.num_heads):
                 scores = [p.bmm1_scale * float(torch.dot(q[b, i, h], row)) for row in rows]
                 top = max(scores)
@@ -72,6 +74,8 @@ def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
         query = p.query[b].to(F64).transpose(0, 1)  # [H, q_len, L + rope]
         # query token i sits at position n - q_len + i and sees every key up to it: bottom-right aligned
         mask = torch.ones(p.q_len, n, dtype=torch.bool).tril(diagonal=n - p.q_len)
+        if p.window_left is not None:  # and no key more than window_left positions before it
+            mask = mask.triu(diagonal=n - p.q_len - p.window_left)
         k = keys.expand(p.num_heads, n, -1)
         o = F.scaled_dot_product_attention(query, k, k[..., :L], attn_mask=mask, scale=p.bmm1_scale)
         outs.append(o.transpose(0, 1) * p.bmm2_scale)

@@ -71,6 +71,16 @@ def test_matches_sdpa(rank: int, page: int, q_len: int) -> None:
     assert row_rel_err(reference_decode(p).out, sdpa_decode(p)) < F64_TOL
 
 
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_no_rope_dims_match_all_three_forms(q_len: int) -> None:
+    """(512, 0): FlashInfer's fa2/fa3 take head_dim_kpe = 0 -- rows are the latent alone."""
+    spec = boundary_spec(512, 16, q_len, num_heads=3, qk_rope_head_dim=0)
+    p = build_problem(spec)
+    assert p.query.shape[-1] == 512 and all(err < F64_TOL for err in naive_errors(reference_decode(p), p))
+    assert row_rel_err(reference_decode(p).out, sdpa_decode(p)) < F64_TOL
+    assert unabsorbed_error(*absorbed_problem(dataclasses.replace(spec, dtype="fp64"))) < F64_TOL
+
+
 # -- fp8, other value distributions and scales -----------------------------------------------------------
 
 FP8_CASES = [(rank, page, q_len) for rank in DIMS for page in (32, 64) for q_len in (1, 4)]

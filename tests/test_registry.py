@@ -16,13 +16,13 @@ from mla_verify.generate import ProblemSpec
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
 
-GPU_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile")
+GPU_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile", "flashinfer-swa")
 SPEC = ProblemSpec(seq_lens=(9, 40), num_heads=8, page_size=32, seed=1)
 
 
 def test_builtins_are_every_flashinfer_path_and_the_cpu_peer() -> None:
     names = [b.name for b in builtin_backends()]
-    assert sorted(names) == sorted(GPU_BACKENDS + ("cpu-peer",))
+    assert sorted(names) == sorted(GPU_BACKENDS + ("flashmla", "cpu-peer"))  # flashmla: tests/test_flashmla.py
     assert list(all_backends()) == names  # no plugins installed here; order is stable
     for backend in builtin_backends():
         assert backend.description and backend.envelope.devices

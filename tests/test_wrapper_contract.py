@@ -90,6 +90,8 @@ CASES = [
     (replace(SPEC, page_size=1, q_len=1, num_heads=128), LayoutSpec(page_stride_pad=3, pass_out=False)),
     (replace(SPEC, dtype="fp8", q_scale=0.5, k_scale=2.0, page_size=64), LayoutSpec(return_lse=False)),
     (replace(SPEC, kv_lora_rank=256, bmm2_extra=1.0, q_len=1), LayoutSpec(page_stride_pad=1)),
+    (replace(SPEC, qk_rope_head_dim=0), LayoutSpec(page_stride_pad=2)),  # no rope: q_pe and kpe of width 0
+    (replace(SPEC, qk_rope_head_dim=0, dtype="fp8", q_scale=0.5, k_scale=2.0), LayoutSpec(pass_out=False)),
 ]
 
 
@@ -115,7 +117,10 @@ def test_the_native_kernel_receives_our_buffers_and_scales(fake_hopper: FakeFaMo
     assert q_nope.dtype == q_pe.dtype == torch.bfloat16 and ckv.dtype == problem.kv_cache.dtype
     pool = prepared.inputs["kv_pool"]
     assert ckv.data_ptr() == pool.data_ptr()
-    assert kpe.data_ptr() == pool.data_ptr() + spec.kv_lora_rank * pool.element_size()
+    if spec.qk_rope_head_dim:
+        assert kpe.data_ptr() == pool.data_ptr() + spec.kv_lora_rank * pool.element_size()
+    else:  # no rope: an empty kpe (and q_pe) of width 0
+        assert kpe.numel() == 0 and kpe.shape[-1] == 0 and q_pe.shape[-1] == 0
     if spec.dtype == "fp8":
         assert ckv.dtype == FP8 and (ckv_scale, kpe_scale) == (1.0, 1.0)  # dequant is folded into bmm1/bmm2
         assert torch.equal(q_nope.to(FP8).to(torch.bfloat16), q_nope)  # the bf16 query is exactly the fp8 one

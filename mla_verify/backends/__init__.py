@@ -6,8 +6,8 @@ pyproject.toml::
     [project.entry-points."mla_verify.backends"]
     my-kernel = "my_pkg.mla:make_backend"
 
-Listing backends never imports FlashInfer (that happens when a FlashInfer backend is asked about a CUDA device
-or prepared), so the registry works on a CPU-only machine.
+Listing backends never imports FlashInfer or FlashMLA (that happens when such a backend is asked about a CUDA
+device or prepared), so the registry works on a CPU-only machine.
 """
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ __all__ = ["Backend", "Envelope", "PreparedCall", "ENTRY_POINT_GROUP", "builtin_
 
 def builtin_backends() -> list[Backend]:
     from .cpu_peer import cpu_peer_backend
+    from .flashinfer_swa import swa_backend
     from .flashinfer_trtllm import trtllm_backends
     from .flashinfer_wrapper import wrapper_backends
+    from .flashmla import flashmla_backend
 
-    return [*trtllm_backends(), *wrapper_backends(), cpu_peer_backend()]
+    return [*trtllm_backends(), *wrapper_backends(), swa_backend(), flashmla_backend(), cpu_peer_backend()]
 
 
 def _plugin_backends() -> list[Backend]:

@@ -34,6 +34,9 @@ class Envelope:
     max_heads: int = 128
     dtypes: tuple[str, ...] = ("bf16",)
     q_len: tuple[int, int] = (1, 1)  # inclusive range
+    q_lens: tuple[int, ...] | None = None  # the only q_len values taken within that range (None: all of them)
+    batch_sizes: tuple[int, ...] | None = None  # the only batch sizes taken (None: 1..max_batch)
+    windows: tuple[int | None, ...] = (None,)  # sliding windows (window_left) taken; None: plain causal
     cache_dims: tuple[int, ...] = (3,)
     page_strided: bool = True
     table_widths: tuple[str, ...] = ("native",)
@@ -65,6 +68,10 @@ class Envelope:
              f"{spec.dtype} with dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) "
              f"(supported: {list(self.dims_for(spec.dtype))})"),
             (self.q_len[0] <= spec.q_len <= self.q_len[1], f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
+            (self.q_lens is None or spec.q_len in self.q_lens, f"q_len {spec.q_len} (supported: {self.q_lens})"),
+            (self.batch_sizes is None or spec.batch in self.batch_sizes,
+             f"batch {spec.batch} (supported: {self.batch_sizes})"),
+            (spec.window_left in self.windows, f"window_left {spec.window_left} (supported: {list(self.windows)})"),
             (layout.cache_dims in self.cache_dims, f"a {layout.cache_dims}-D cache"),
             (self.page_strided or layout.page_stride_pad == 0, "a page-strided cache"),
             (layout.table_width in self.table_widths, f"block-table width '{layout.table_width}'"),

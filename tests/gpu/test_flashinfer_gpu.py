@@ -51,17 +51,22 @@ def _runnable(name: str, device: torch.device):
     return backend
 
 
-@pytest.mark.parametrize("name", ["fa2", "fa3"])
-def test_fa_backends_pass_the_acceptance_run(name: str) -> None:
-    device = _cuda()
-    backend = _runnable(name, device)
-    result = verify(backend, device, profile="premerge", max_examples=MAX_EXAMPLES)
+def acceptance_run(backend, device: torch.device, max_examples: int = MAX_EXAMPLES) -> dict:
+    """The premerge run of ``backend``, recorded (to RECORD_DIR/<backend>.json when set); fails on a failure."""
+    result = verify(backend, device, profile="premerge", max_examples=max_examples)
     record = _record(result)
     if RECORD_DIR:
-        path = Path(RECORD_DIR) / f"{name}.json"
+        path = Path(RECORD_DIR) / f"{backend.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
     assert result.failure is None, f"{result.failure.describe()}: {result.failure.failures}"
+    return record
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3"])
+def test_fa_backends_pass_the_acceptance_run(name: str) -> None:
+    device = _cuda()
+    record = acceptance_run(_runnable(name, device), device)
     assert record["passed"] >= MIN_PASS, record["skip_reasons"]
 
 

@@ -1,0 +1,33 @@
+"""The kill matrix through the flashmla backend: each of the 23 mutants, behind FlashMLA's calling convention
+(mla_verify.flashmla_cpu), must fail ``verify(..., "premerge")`` on CPU -- so the backend's layout code (the
+cache view, table, scale, causal flag, LSE transposition and base, bmm2 bridge) carries every fault to the
+harness instead of hiding it. The correct kernel behind the same convention must pass the same premerge run,
+or the kills would mean nothing.
+
+Two changes to the envelope, both on CPU only, neither touching the layout code under test:
+- pages of 16, 32 and 64 tokens (FlashMLA itself takes 64 only): with 64 alone a kernel that assumes 64-token
+  pages is right on every problem FlashMLA accepts, and its mutant could not be killed;
+- sequences up to 4096 tokens: every mutant still fails on the first premerge corner case or within a few drawn
+  ones, but with FlashMLA's default 131072 Hypothesis drew a 100000-token failure for pages_sorted and took two
+  minutes on CPU to shrink it (12 s at 4096); the faults shown past the mutants' 128-token split need no more.
+"""
+import pytest
+
+from mla_verify.engine import verify
+from mla_verify.flashmla_cpu import CPU_ENVELOPE, stand_in_backend
+from mla_verify.mutants import MUTANTS, correct_kernel
+
+ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096)
+
+
+def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend():
+    result = verify(stand_in_backend(correct_kernel, ENVELOPE), "cpu", "premerge")
+    assert result.verdict == "pass", result.failure and result.failure.failures
+    assert sum(c.verdict == "pass" for c in result.cases) >= 40
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_premerge_through_the_flashmla_backend_kills_mutant(name):
+    result = verify(stand_in_backend(MUTANTS[name].fn, ENVELOPE), "cpu", "premerge")
+    assert result.verdict == "fail", f"mutant {name} survived {len(result.cases)} premerge cases"
+    assert result.failure.failures
