@@ -141,16 +141,18 @@ def _head_choices(env: Envelope) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(h for h in TP_HEADS[::-1] + TILE_EDGE_HEADS if h in allowed), allowed
 
 
-def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int) -> int:
+def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int, window: int | None = None) -> int:
     """A length in [lo, hi] biased to the edges: the shortest, page-1, page, page+1, multiples of the page, the
-    maximum. Shrinks to ``lo``."""
-    return _named_or(draw, _edges(page, lo, hi), _ints(lo, hi))
+    maximum, and the first lengths a sliding window cuts. Shrinks to ``lo``."""
+    return _named_or(draw, _edges(page, lo, hi, window), _ints(lo, hi))
 
 
 @functools.lru_cache(maxsize=4096)
-def _edges(page: int, lo: int, hi: int) -> tuple[int, ...]:
-    return tuple(sorted({e for e in (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
-                         if lo <= e <= hi}))
+def _edges(page: int, lo: int, hi: int, window: int | None = None) -> tuple[int, ...]:
+    near = (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
+    if window is not None:  # query token i sees window + 1 positions: lengths past window + lo are cut
+        near += (window, window + 1, window + lo, window + lo + 1, window + page + 1)
+    return tuple(sorted({e for e in near if lo <= e <= hi}))
 
 
 EXPLICIT_BATCH = 8  # up to this many requests the lengths are drawn one by one; above it, as a profile
@@ -178,7 +180,8 @@ def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: 
     return tuple(int(n) for n in lens)
 
 
-def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> tuple[int, ...]:
+def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int,
+                   window: int | None = None) -> tuple[int, ...]:
     """The requests' KV lengths in [lo, hi], one of them often ``hi``.
 
     Drawing cost does not grow with the batch: up to EXPLICIT_BATCH requests each length is drawn (and
@@ -187,7 +190,7 @@ def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int) -> 
     needs many requests thus stays readable, and one that does not shrinks to the explicit form.
     """
     if batch <= EXPLICIT_BATCH:
-        lens = [_seq_len(draw, page, lo, hi) for _ in range(batch)]
+        lens = [_seq_len(draw, page, lo, hi, window) for _ in range(batch)]
         if draw(_BOOL):  # one request at the case's maximum
             lens[_pick(draw, range(batch))] = hi
         return tuple(lens)
@@ -203,17 +206,25 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     heads = _heads(draw, env)
     q_hi = max(env.q_len[0], min(env.q_len[1], int((budget.units // heads) ** 0.5),  # q_len tokens >= q_len
                                  budget.max_rows // heads))
-    q_len = draw(_ints(env.q_len[0], q_hi)) if draw(_BOOL) else env.q_len[0]
+    if env.q_lens is not None:
+        q_len = _pick(draw, [q for q in env.q_lens if q <= q_hi] or [min(env.q_lens)])
+    else:
+        q_len = draw(_ints(env.q_len[0], q_hi)) if draw(_BOOL) else env.q_len[0]
+    window = _pick(draw, env.windows)  # no draw for (None,): other envelopes' cases are unchanged
     extra_pages = draw(_ints(0, 8))
     # cached tokens the sequences may take: the budget less the unused pages (at least one page)
     room = max(page, budget.max_tokens - extra_pages * page)
     # the longest sequence of this case, then a batch that fits the budget with it
     top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len), room))
-    cap = _seq_len(draw, page, q_len, top)
+    cap = _seq_len(draw, page, q_len, top, window)
     max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len),
                        room // (-(-cap // page) * page), budget.max_rows // (heads * q_len)))
-    batch = draw(_ints(1, max_b if draw(_BOOL) else min(4, max_b)))
-    lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap), page, q_len, heads, extra_pages,
+    if env.batch_sizes is not None:
+        batch = _pick(draw, [b for b in env.batch_sizes if b <= max_b] or [min(env.batch_sizes)])
+    else:
+        batch = draw(_ints(1, max_b if draw(_BOOL) else min(4, max_b)))
+    # (after an OOM the clamp may cut a batch to a size outside env.batch_sizes: then its case is a skip)
+    lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap, window), page, q_len, heads, extra_pages,
                          budget.cap_tokens, budget.cap_rows)
     softmax = _named_or(draw, NAMED_SOFTMAX, _SOFTMAX)
     q_scale = k_scale = 1.0
@@ -225,7 +236,7 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
         qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
         bmm2_extra=_named_or(draw, NAMED_SCALES, _BMM2), extra_pages=extra_pages,
         shuffle_pages=not draw(_BOOL), table_pad=draw(_ints(0, 4)), pad_fill=_pick(draw, PAD_FILLS),
-        values=_pick(draw, VALUE_KINDS), seed=draw(_SEED))
+        values=_pick(draw, VALUE_KINDS), seed=draw(_SEED), window_left=window)
 
 
 def _layout(draw: st.DrawFn, env: Envelope) -> LayoutSpec:
@@ -259,29 +270,40 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
     allowed = [h for h in range(1, env.max_heads + 1) if env.allows_heads(h)]
     h_min, h_max = min(allowed), max(allowed)
     h_few = min(allowed, key=lambda h: abs(h - 4))
-    q_lo, q_hi = env.q_len
+    q_lo, q_hi = (min(env.q_lens), max(env.q_lens)) if env.q_lens else env.q_len
+    window = env.windows[-1]
     full = LayoutSpec(cache_dims=max(env.cache_dims), page_stride_pad=5 if env.page_strided else 0,
                       table_width=env.table_widths[-1], pass_out=env.pass_out[0], return_lse=env.lse)
     native = LayoutSpec(cache_dims=min(env.cache_dims), table_width=env.table_widths[0],
                         pass_out=env.pass_out[0], return_lse=env.lse)
     r1 = dict(kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=env.dtypes[0], softmax_scale=R1_SOFTMAX_SCALE,
-              extra_pages=3, table_pad=2, pad_fill="oob")
+              extra_pages=3, table_pad=2, pad_fill="oob", window_left=window)
+
+    def fit(lens: list[int]) -> tuple[int, ...]:
+        """The last of ``lens``, as many as the largest batch size allowed takes (repeated up to the smallest)."""
+        n = min(len(lens), env.max_batch, budget.max_batch)
+        if env.batch_sizes is not None:
+            n = max([b for b in env.batch_sizes if b <= n] or [min(env.batch_sizes)])
+            lens = lens * n
+        return tuple(lens[-n:])
 
     def edges(page: int) -> tuple[int, ...]:
-        lens = sorted({max(q_hi, n) for n in (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)})
-        return tuple(lens[-min(env.max_batch, budget.max_batch):])
+        near = (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)
+        if window is not None:
+            near += (window, window + 1, window + q_hi, window + page + 1)
+        return fit(sorted({max(q_hi, n) for n in near}))
 
     room = budget.max_tokens - r1["extra_pages"] * large  # cached tokens left beside the unused pages
     longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo), room)
     # each of the widest batch's sequences (at most large + 1 tokens) takes up to two pages
-    widest = min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)), room // (2 * large),
-                 budget.max_rows // (h_min * q_lo))
+    widest = len(fit([1] * min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)),
+                               room // (2 * large), budget.max_rows // (h_min * q_lo))))
     out = [
         Case(ProblemSpec(seq_lens=edges(small), q_len=q_hi, num_heads=h_few, page_size=small, bmm2_extra=1.5,
                          seed=1, **r1), native, "pages"),
         Case(ProblemSpec(seq_lens=edges(large), q_len=q_hi, num_heads=h_few, page_size=large, bmm2_extra=0.5,
                          seed=2, **r1), full, "table"),
-        Case(ProblemSpec(seq_lens=(max(q_lo, min(3 * large + 1, budget.units // (h_max * 2 * q_lo))), 1 + q_lo),
+        Case(ProblemSpec(seq_lens=fit([max(q_lo, min(3 * large + 1, budget.units // (h_max * 2 * q_lo))), 1 + q_lo]),
                          q_len=q_lo, num_heads=h_max, page_size=large, seed=3, **r1), full),
     ]
     if "fp8" in env.dtypes:
