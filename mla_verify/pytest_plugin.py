@@ -2,7 +2,7 @@
 per-worker device assignment for ``pytest -n auto`` (see workers.py and docs/pytest.md).
 
 Every option is read from the command line, else ``MLA_VERIFY_<NAME>`` in the environment, else the ini
-key ``mla_<name>``, else its default.
+key ``mla_<name>``, else its default. Shadow mode's options (``--mla-shadow`` ...) live in shadow_pytest.py.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from .workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_
 DEFAULT_PROFILE = "premerge"
 SLOT_INPUT = "mla_verify_slot"  # key in xdist's workerinput: the slot the controller gave this worker
 _KERNEL_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+pytest_plugins = ["mla_verify.shadow_pytest"]  # --mla-shadow: checks the MLA decode calls any test makes
 
 _OPTIONS_KEY = pytest.StashKey["MLAOptions"]()
 _ASSIGNMENT_KEY = pytest.StashKey[Assignment]()
