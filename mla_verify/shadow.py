@@ -52,9 +52,10 @@ class _Entry:
     """One wrapped entry point: its label in reports, the original callable and how its calls are read."""
 
     def __init__(self, label: str, original: Callable[..., Any], read: Reader | None,
-                 records_plan: bool = False, owner: type | None = None):
+                 records_plan: bool = False, owner: type | None = None, home: tuple[Any, str] | None = None):
         self.label, self.original, self.read, self.records_plan = label, original, read, records_plan
         self.owner = owner  # the class of a method
+        self.home = home  # (module, name) a kernel was named by
         self.signature = signature_of(original)
 
     def wrapper(self) -> Callable[..., Any]:
@@ -142,7 +143,7 @@ class ShadowSession:
         if entry.owner is not None:
             self.installed.append(install_method(entry.owner, entry.label.rsplit(".", 1)[-1], entry.wrapper()))
             return
-        installed = install_function(entry.original, entry.wrapper())
+        installed = install_function(entry.original, entry.wrapper(), entry.home)
         self.installed.append(installed)
         if installed.bindings == 0:
             self.tally.notes.append(f"{entry.label}: no module binds this object; its calls are not seen")
@@ -370,8 +371,12 @@ def _kernel_entry(kernel: str | Callable[..., Any]) -> _Entry:
     """A Contract-1 kernel: its declared envelope (``mla_verify_envelope``), if any, is its contract."""
     from .backends.user_kernel import ENVELOPE_ATTR, envelope_from_overrides, load_kernel
 
+    home = None
     if isinstance(kernel, str):
         fn, name = load_kernel(kernel).fn, kernel
+        module, attr = kernel.split(":", 1)
+        if "." not in attr:
+            home = (sys.modules[module], attr)
     elif callable(kernel):
         fn, name = kernel, _importable_name(kernel)
     else:
@@ -381,7 +386,7 @@ def _kernel_entry(kernel: str | Callable[..., Any]) -> _Entry:
     contract = KernelContract(name, cache_dims=(3, 4) if envelope is None else envelope.cache_dims, envelope=envelope,
                               lse_base=2.0 if envelope is None else envelope.lse_base)
     replay = name if name and ":" in name else None
-    return _Entry(f"kernel {name}", fn, lambda s, v: read_contract1(v, contract, replay))
+    return _Entry(f"kernel {name}", fn, lambda s, v: read_contract1(v, contract, replay), home=home)
 
 
 def _importable_name(fn: Callable[..., Any]) -> str:

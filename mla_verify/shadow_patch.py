@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable
 
 
@@ -21,6 +22,7 @@ class Installed:
     attr: str = ""
     bindings: int = 0  # module-level names (or 1 for a method) now bound to the wrapper
     places: list[tuple[dict, str]] = field(default_factory=list)
+    added: tuple[dict, str] | None = None  # a name bound only for the session (see install_function)
 
 
 def _module_dicts() -> list[dict]:
@@ -43,9 +45,17 @@ def _rebind(old: Any, new: Any) -> list[tuple[dict, str]]:
     return changed
 
 
-def install_function(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Installed:
+def install_function(original: Callable[..., Any], wrapper: Callable[..., Any],
+                     home: tuple[ModuleType, str] | None = None) -> Installed:
+    """Wrap every module binding of ``original``. ``home`` (module, name): where the caller named it; a module
+    that provides the name through ``__getattr__`` (not its dictionary) gets it bound for the session, so that
+    a ``from module import name`` made while shadow mode is on gets the wrapper."""
     places = _rebind(original, wrapper)
-    return Installed(original, wrapper, bindings=len(places), places=places)
+    added = None
+    if home is not None and home[1] not in vars(home[0]):
+        vars(home[0])[home[1]] = wrapper
+        added = (vars(home[0]), home[1])
+    return Installed(original, wrapper, bindings=len(places) + (added is not None), places=places, added=added)
 
 
 def install_method(owner: type, attr: str, wrapper: Callable[..., Any]) -> Installed:
@@ -61,4 +71,6 @@ def uninstall(installed: Installed) -> None:
         if installed.owner.__dict__.get(installed.attr) is installed.wrapper:
             setattr(installed.owner, installed.attr, installed.original)
         return
+    if installed.added is not None and installed.added[0].get(installed.added[1]) is installed.wrapper:
+        del installed.added[0][installed.added[1]]
     _rebind(installed.wrapper, installed.original)
