@@ -71,10 +71,25 @@ class _Entry:
 
 
 class _Inside(threading.local):
-    depth = 0  # > 0 while the shadow itself works: a wrapped call made then is not intercepted again
+    depth = 0  # > 0 while the shadow or a shadowed kernel runs: a wrapped call made then is not intercepted
 
 
 _inside = _Inside()
+
+
+class _Stopwatch:
+    """Runs the kernel (wrapped calls it makes itself are part of it) and keeps the time it took."""
+
+    seconds = 0.0
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        started = time.perf_counter()
+        _inside.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _inside.depth -= 1
+            self.seconds += time.perf_counter() - started
 _SESSIONS: list["ShadowSession"] = []
 _LOCK = threading.RLock()
 
@@ -161,43 +176,42 @@ class ShadowSession:
             tally = self.tally.site(entry.label, site)
             tally.calls += 1
             nth = tally.calls
-        if entry.records_plan:
+        if entry.records_plan:  # every plan: the runs it serves are read against it
             result = entry.original(*args, **kwargs)
             self._guarded(tally, lambda: self.plans.record(bind_arguments(entry.signature, args, kwargs) or {}))
+            tally.checked += 1
             return result
         skip = "inside CUDA graph capture" if _capturing() else self.sampler.skip_reason(nth)
         if skip:
             tally.not_checked[skip] += 1
             return entry.original(*args, **kwargs)
         started = time.perf_counter()
-        kernel_s = 0.0
+        kernel = _Stopwatch()
         try:
             read = self._guarded(tally, lambda: self._precheck(entry, args, kwargs))
             if read is None:
-                return entry.original(*args, **kwargs)
-            call, pre = read
-            tally.checked += 1
-            if pre.blocking and self.mode == "strict":
-                self._conclude(entry, site, tally, call, pre, Judgement(), stopped=True)
-            kernel_started = time.perf_counter()
-            _inside.depth += 1  # wrapped calls the kernel makes itself are part of this one
-            try:
-                result = entry.original(*args, **kwargs)
-            except BaseException as exc:
-                kernel_s = time.perf_counter() - kernel_started
-                if pre.findings:  # the kernel's own exception stands; what the shadow found goes with it
-                    _add_note(exc, self._conclude(entry, site, tally, call, pre, Judgement(), raised=True))
-                raise
-            finally:
-                _inside.depth -= 1
-            kernel_s = time.perf_counter() - kernel_started
-            verdict = self._guarded(tally, lambda: judge(call, pre.problem, result))
-            self._conclude(entry, site, tally, call, pre, verdict or Judgement())
-            return result
+                return kernel.run(entry.original, args, kwargs)
+            return self._checked(entry, site, tally, *read, kernel, args, kwargs)
         finally:
-            overhead = time.perf_counter() - started - kernel_s
+            overhead = time.perf_counter() - started - kernel.seconds
             tally.overhead_s += overhead
             self.sampler.charge(overhead)
+
+    def _checked(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
+                 kernel: "_Stopwatch", args: tuple, kwargs: dict) -> Any:
+        tally.checked += 1
+        if pre.blocking and self.mode == "strict":
+            self._conclude(entry, site, tally, call, pre, Judgement(), stopped=True)  # raises
+        try:
+            result = kernel.run(entry.original, args, kwargs)
+        except BaseException as exc:  # the kernel's own exception stands; what the shadow found goes with it
+            report = self._conclude(entry, site, tally, call, pre, Judgement(), raised=True)
+            if report:
+                _add_note(exc, report)
+            raise
+        verdict = self._guarded(tally, lambda: judge(call, pre.problem, result))
+        self._conclude(entry, site, tally, call, pre, verdict or Judgement(), counted=verdict is None)
+        return result
 
     def _guarded(self, tally: SiteTally, work: Callable[[], Any]) -> Any:
         """Run the shadow's own work (no call it makes is intercepted); a failure of it is counted, never raised
@@ -222,16 +236,17 @@ class ShadowSession:
         return call, precheck(call, self.facts)
 
     def _conclude(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
-                  verdict: Judgement, stopped: bool = False, raised: bool = False) -> str:
+                  verdict: Judgement, stopped: bool = False, raised: bool = False, counted: bool = False) -> str:
         """Count the call, report it (once per site), keep a reproducer of a first mismatch, and in strict
-        mode raise -- unless the kernel itself ``raised``. Returns the report ('' when all is well)."""
+        mode raise -- unless the kernel itself ``raised``. ``counted``: why its numbers were not compared is
+        counted already. Returns the report ('' when all is well)."""
         findings = pre.findings + verdict.findings
         errors = [f for f in findings if f.severity == ERROR]
         tally.errors += bool(errors)
         tally.warnings += any(f.severity == WARNING for f in findings)
         tally.compared += verdict.compared
         tally.mismatched += bool(verdict.failures)
-        if not verdict.compared:
+        if not verdict.compared and not counted:
             reason = ("stopped before the kernel ran" if stopped else "the kernel raised" if raised else
                       call.unchecked or ("the arguments cannot be read as a decode problem" if pre.problem is None
                                          else "no output to compare"))
