@@ -28,7 +28,8 @@ import torch
 
 from .errors import MLAVerifyError, UsageError
 from .shadow_contract import ERROR, WARNING, Finding, KernelContract, ModelFacts
-from .shadow_entries import LiveCall, bind_arguments, read_contract1, read_flashinfer_trtllm, read_flashmla, signature_of
+from .shadow_entries import (LiveCall, bind_arguments, read_contract1, read_flashinfer_trtllm, read_flashmla,
+                             signature_of)
 from .shadow_fixture import DEFAULT_CAP_MIB, keep_reproducer
 from .shadow_judge import Judgement, Precheck, explain, judge, precheck
 from .shadow_patch import Installed, install_function, install_method, uninstall
@@ -90,6 +91,8 @@ class _Stopwatch:
         finally:
             _inside.depth -= 1
             self.seconds += time.perf_counter() - started
+
+
 _SESSIONS: list["ShadowSession"] = []
 _LOCK = threading.RLock()
 
@@ -260,6 +263,7 @@ class ShadowSession:
         report = self._report(entry, site, call, pre, verdict, diagnosis, kept, stopped)
         if first:
             self.reported.add(key)
+            self.tally.reports.append(report)
             self._write(report)
         if self.mode == "strict" and not raised and (errors or verdict.failures):
             raise ShadowError(report)
@@ -288,7 +292,7 @@ class ShadowSession:
             headline = "ARGUMENT ERROR"
         else:
             headline = "ARGUMENT WARNING"
-        lines = [f"mla-verify shadow: {headline} at {site} in {call.contract.name} ({entry.label})"]
+        lines = [f"mla-verify shadow: {headline} at {site} in {call.contract.name}"]
         if pre.problem is not None:
             lines.append(f"  call: {describing_spec(pre.problem).describe()}")
         if stopped:

@@ -164,9 +164,9 @@ def check_lengths(args: PagedArgs) -> list[Finding]:
     need = -(-longest // page)
     if need > table.shape[1]:
         b = int(lens.argmax())
-        found.append(Finding(ERROR, "block_tables", f"rows of {table.shape[1]} entries, but seq_lens[{b}] = {longest} needs "
-                             f"{need} pages of {page} tokens: the kernel would take its pages from the next row "
-                             f"(a table sized for another page size, or for shorter sequences?)", blocking=True))
+        found.append(Finding(ERROR, "block_tables", f"rows of {table.shape[1]} entries, but seq_lens[{b}] = {longest} "
+                             f"needs {need} pages of {page} tokens: the kernel would take its pages from the next "
+                             "row (a table sized for another page size, or for shorter sequences?)", blocking=True))
     if args.max_seq_len is not None and args.max_seq_len < longest:
         found.append(Finding(ERROR, "max_seq_len", f"{args.max_seq_len} is below the longest sequence ({longest}): "
                              "kernels that split the KV range by max_seq_len drop the tokens past it"))

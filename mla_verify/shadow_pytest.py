@@ -5,8 +5,8 @@ Options, each also ``MLA_VERIFY_<NAME>`` in the environment and ``mla_<name>`` i
 command line, environment, ini): ``shadow`` (strict, record, 1 = strict, 0/off), ``shadow_kernel`` (a Contract-1
 kernel to wrap too, MODULE:ATTR, repeatable), ``shadow_every``, ``shadow_budget`` (seconds of checking per
 minute), ``shadow_fixtures`` (where reproducers go). The session starts before any test module is imported, so
-``from flashinfer.decode import ...`` in the code under test binds the wrapped function; the summary is part of
-the terminal summary (under xdist, the workers' counts are merged in the controller).
+``from flashinfer.decode import ...`` in the code under test binds the wrapped function; the summary and the first
+report of each call site are part of the terminal summary (under xdist, the workers' are merged in the controller).
 """
 from __future__ import annotations
 
@@ -89,6 +89,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.write_sep("-", "mla-verify shadow")
     for line in tally.summary_lines(shadow.settings()):
         terminalreporter.write_line(line)
+    for report in tally.reports:  # a passing test's captured stderr is never shown (record mode, xdist workers)
+        terminalreporter.write_line(report)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

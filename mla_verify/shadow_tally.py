@@ -47,6 +47,7 @@ class Tally:
     def __init__(self) -> None:
         self.sites: dict[tuple[str, str], SiteTally] = {}
         self.notes: list[str] = []
+        self.reports: list[str] = []  # the first report of each call site that had one
 
     def site(self, entry: str, where: str) -> SiteTally:
         return self.sites.setdefault((entry, where), SiteTally())
@@ -61,10 +62,11 @@ class Tally:
         for key, t in other.sites.items():
             self.site(*key).merge(t)
         self.notes += [n for n in other.notes if n not in self.notes]
+        self.reports += other.reports
 
     def to_json(self) -> dict[str, Any]:
         return {"sites": [[entry, where, t.to_json()] for (entry, where), t in self.sites.items()],
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "reports": list(self.reports)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Tally":
@@ -72,6 +74,7 @@ class Tally:
         for entry, where, t in d.get("sites", []):
             tally.sites[(entry, where)] = SiteTally.from_json(t)
         tally.notes = list(d.get("notes", []))
+        tally.reports = list(d.get("reports", []))
         return tally
 
     def summary_lines(self, settings: str) -> list[str]:

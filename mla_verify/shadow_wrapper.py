@@ -167,7 +167,8 @@ def read_run(plan: PlanRecord, values: Mapping[str, Any]) -> LiveCall:
     findings = list(plan.findings)
     mismatched = [Finding(ERROR, name, f"split into widths ({nope.shape[-1]}, {rope.shape[-1]}); the plan has "
                           f"head_dim_ckv {widths[0]}, head_dim_kpe {widths[1]} (the pair swapped?)", blocking=True)
-                  for name, (nope, rope) in (("query", q), ("kv_cache", kv)) if (nope.shape[-1], rope.shape[-1]) != widths]
+                  for name, (nope, rope) in (("query", q), ("kv_cache", kv))
+                  if (nope.shape[-1], rope.shape[-1]) != widths]
     findings += mismatched
     if mismatched or q_nope.dim() != 3:
         return LiveCall(None, contract, unchecked="the query or cache does not match the plan", findings=findings)

@@ -16,7 +16,7 @@ from mla_verify.shadow_contract import (ERROR, WARNING, KernelContract, ModelFac
                                         check_lengths, check_scales)
 from mla_verify.shadow_entries import LiveCall
 from mla_verify.shadow_judge import precheck
-from mla_verify.shadow_problem import compact, describing_spec, live_layout, live_problem
+from mla_verify.shadow_problem import compact, describing_spec, live_problem
 
 SPEC = ProblemSpec(seq_lens=(37, 100, 5), num_heads=4, page_size=32, extra_pages=3, table_pad=1, seed=5)
 # DeepSeek-R1's softmax scale, written out: 1/sqrt(128 + 64) * (0.1 ln 40 + 1)^2
@@ -171,8 +171,9 @@ def test_a_good_call_is_read_without_copies_and_its_layout_recovered() -> None:
 def test_a_declared_envelope_is_checked_at_its_severity() -> None:
     from mla_verify.backends.base import Envelope
 
-    narrow = KernelContract("k", envelope=Envelope(devices=("cpu",), page_sizes=(64,), dims=((512, 64),),
-                                                   dtypes=("bf16",), cache_dims=(3, 4), table_widths=("native", "pad128")))
+    envelope = Envelope(devices=("cpu",), page_sizes=(64,), dims=((512, 64),), dtypes=("bf16",), cache_dims=(3, 4),
+                        table_widths=("native", "pad128"))
+    narrow = KernelContract("k", envelope=envelope)
     message = only(precheck(LiveCall(paged(), narrow), ModelFacts()).findings, ERROR, "call")
     assert "page size 32" in message
 
@@ -196,5 +197,6 @@ def test_compacting_keeps_the_numbers_and_only_the_pages_read() -> None:
     assert one.batch == 1 and one.num_pages == 4
     assert torch.equal(reference_decode(one).out, reference_decode(problem).out[1:2])
     # the kernel sees the same rows too: a kernel's output does not depend on page ids
-    peer = lambda p: cpu_peer_decode(p.query, p.kv_cache, None, 128, 512, 64, p.block_table, p.seq_lens, 100)  # noqa: E731
+    def peer(p):
+        return cpu_peer_decode(p.query, p.kv_cache, None, 128, 512, 64, p.block_table, p.seq_lens, 100)
     assert torch.equal(peer(small), peer(problem))

@@ -238,13 +238,34 @@ def test_pytest_environment_and_ini_record_mode(engine_suite: pytest.Pytester,
     engine_suite.makeini("[pytest]\nmla_shadow_kernel =\n    mla_verify.mutants:halves_swapped\n")
     result = engine_suite.runpytest(*QUIET)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*mla-verify shadow (record*", "*test_engine.py:6: 1 calls*1 mismatched*"])
+    result.stdout.fnmatch_lines(["*mla-verify shadow (record*", "*test_engine.py:6: 1 calls*1 mismatched*",
+                                 "mla-verify shadow: MISMATCH at test_engine.py:6*", "*diagnosis: *cache_rope_first*"])
 
 
 def test_pytest_without_the_option_shadows_nothing(engine_suite: pytest.Pytester) -> None:
     result = engine_suite.runpytest(*QUIET, "--mla-shadow-kernel", "mla_verify.mutants:halves_swapped")
     result.assert_outcomes(passed=1)
     assert "mla-verify shadow" not in result.stdout.str()
+
+
+def test_xdist_workers_counts_and_reports_reach_the_controller(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from mla_verify import shadow_pytest
+    from mla_verify.shadow_tally import Tally
+
+    with session(fixtures_dir=tmp_path) as worker:  # what one worker saw
+        call(correct_kernel)
+        call(halves_swapped)
+    controller = SimpleNamespace(stash=pytest.Stash())
+    for _ in range(2):  # two workers that saw the same
+        node = SimpleNamespace(config=controller, workeroutput={"mla_verify_shadow": worker.tally.to_json()})
+        shadow_pytest.pytest_testnodedown(node, None)
+    merged = controller.stash[shadow_pytest._MERGED_KEY]
+    total = merged.total()
+    assert (total.calls, total.compared, total.mismatched) == (4, 4, 2)
+    assert len(merged.reports) == 2 and "MISMATCH" in merged.reports[0]
+    assert Tally.from_json(json.loads(json.dumps(merged.to_json()))).to_json() == merged.to_json()
 
 
 def test_pytest_bad_shadow_settings_are_usage_errors(engine_suite: pytest.Pytester) -> None:
