@@ -72,7 +72,11 @@ def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgeme
     """The result's form, then (for a readable, checkable call) its numbers against the reference."""
     if call.to_canonical is None:
         return Judgement()
-    out, lse, found = call.to_canonical(result)
+    try:
+        out, lse, found = call.to_canonical(result)
+    except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an output with too few elements for its view
+        return Judgement(findings=[Finding(ERROR, "result", f"not in this entry point's form: {type(exc).__name__}: "
+                                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")])
     verdict = Judgement(findings=found, out=out, lse=lse)
     if problem is None or call.unchecked or out is None:
         return verdict

@@ -171,6 +171,23 @@ def test_out_must_be_written_in_place_and_returned() -> None:
     assert "though no LSE was requested" in result_parts((out, out), out, False)[2][0].message
 
 
+def short_output_kernel(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                        block_tables, seq_lens, max_seq_len, out=None, bmm1_scale=1.0, bmm2_scale=1.0,
+                        return_lse=False):
+    """Contract 1's signature, three output values."""
+    return torch.zeros(3, dtype=torch.bfloat16)
+
+
+def test_a_result_of_the_wrong_size_is_an_error_not_a_shadow_failure() -> None:
+    problem = build_problem(SPEC)
+    with session("record", kernels=[short_output_kernel]) as s:
+        short_output_kernel(problem.query, problem.kv_cache, None, 128, 512, 64, problem.block_table,
+                            problem.seq_lens, 100, bmm1_scale=problem.bmm1_scale)
+    site = only_site(s)
+    assert site.errors == 1 and not any("shadow failed" in reason for reason in site.not_checked)
+    assert "result: not in this entry point's form" in s.stream.getvalue()
+
+
 # --- the wrapper
 
 def wrapper_inputs(spec: ProblemSpec = SPEC):
