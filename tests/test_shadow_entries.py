@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_wrapper_contract import fake_hopper  # noqa: F401 - fixture: FlashInfer's wrapper on CPU
 
-from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.dims import R1_SOFTMAX_SCALE
+from mla_verify.flashmla_cpu import FlashMLAStandIn, SchedMeta
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import LayoutSpec, trtllm_args, wrapper_args
 from mla_verify.mutants import correct_kernel, halves_swapped, lse_natural_log
@@ -245,38 +245,32 @@ def test_csr_page_lists_shorter_than_the_lengths_are_blocking() -> None:
     assert _csr_findings(kv_indptr, torch.tensor([32, 64], dtype=torch.int32), 32) == []
 
 
-# --- FlashMLA (a stand-in module: the real one needs a GPU and is not installed here)
-
-def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                           num_splits=None, softmax_scale=None, causal=False):
-    """FlashMLA's calling convention computed by the CPU peer: [blocks, page, 1, D] cache, softmax_scale defaulting
-    to 1/sqrt(q's head dim), (out, lse) with lse [B, H, s_q] in natural log."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = cpu_peer_decode(q, k_cache[:, :, 0], None, 0, head_dim_v, q.shape[-1] - head_dim_v, block_table,
-                               cache_seqlens, int(cache_seqlens.max()), bmm1_scale=scale, return_lse=True)
-    return out, (lse * math.log(2.0)).view(q.shape[0], q.shape[1], q.shape[2]).transpose(1, 2)
-
+# --- FlashMLA (its calling convention on CPU, mla_verify.flashmla_cpu: the real one needs a GPU)
 
 @pytest.fixture
 def flash_mla(monkeypatch: pytest.MonkeyPatch):
+    """A ``flash_mla`` module whose ``flash_mla_with_kvcache`` is the CPU stand-in (FlashMLA's checks included)."""
     module = types.ModuleType("flash_mla")
-    module.flash_mla_with_kvcache = flash_mla_with_kvcache
+    module.flash_mla_with_kvcache = FlashMLAStandIn().flash_mla_with_kvcache
     monkeypatch.setitem(sys.modules, "flash_mla", module)
     return module
 
 
-def flashmla_call(module, spec: ProblemSpec = SPEC, **kwargs):
+FLASHMLA_SPEC = ProblemSpec(seq_lens=(37, 100), q_len=2, num_heads=4, page_size=64, softmax_scale=R1_SOFTMAX_SCALE,
+                            seed=4)  # FlashMLA takes 64-token pages only
+
+
+def flashmla_call(module, spec: ProblemSpec = FLASHMLA_SPEC, **kwargs):
     problem = build_problem(spec)
     cache = problem.kv_cache.unsqueeze(2) if kwargs.pop("order", "flashmla") == "flashmla" else \
         problem.kv_cache.unsqueeze(1)
-    return module.flash_mla_with_kvcache(problem.query, cache, problem.block_table, problem.seq_lens, 512, None,
-                                         **kwargs)
+    return module.flash_mla_with_kvcache(problem.query, cache, problem.block_table, problem.seq_lens, 512,
+                                         SchedMeta(), **kwargs)
 
 
 def test_flashmla_calls_are_judged_lse_included(flash_mla) -> None:
-    spec = ProblemSpec(seq_lens=(37, 100), q_len=2, num_heads=4, page_size=64, softmax_scale=R1_SOFTMAX_SCALE, seed=4)
     with session() as s:
-        flashmla_call(flash_mla, spec, softmax_scale=spec.bmm1_scale, causal=True)
+        flashmla_call(flash_mla, softmax_scale=FLASHMLA_SPEC.bmm1_scale, causal=True)
     site = only_site(s)
     assert (site.compared, site.mismatched, site.errors, site.warnings) == (1, 0, 0, 0)
 
@@ -285,12 +279,11 @@ def test_flashmlas_default_scale_and_cache_order_are_caught(flash_mla) -> None:
     with pytest.raises(ShadowError, match="1/sqrt\\(576\\), the absorbed width"), session():
         flashmla_call(flash_mla, causal=True)  # no softmax_scale: FlashMLA's default is 1/sqrt(576)
     with pytest.raises(ShadowError, match="Contract 1's \\[pages, 1, page, D\\] order"), session():
-        flashmla_call(flash_mla, order="contract1", softmax_scale=SPEC.bmm1_scale, causal=True)
+        flashmla_call(flash_mla, order="contract1", softmax_scale=FLASHMLA_SPEC.bmm1_scale, causal=True)
 
 
 def test_flashmla_non_causal_multi_token_decode_is_a_warning(flash_mla) -> None:
-    spec = ProblemSpec(seq_lens=(37, 100), q_len=2, num_heads=4, page_size=64, softmax_scale=R1_SOFTMAX_SCALE, seed=4)
     with session() as s:
-        flashmla_call(flash_mla, spec, softmax_scale=spec.bmm1_scale)  # causal defaults to False in FlashMLA
+        flashmla_call(flash_mla, softmax_scale=FLASHMLA_SPEC.bmm1_scale)  # causal defaults to False in FlashMLA
     site = only_site(s)
     assert site.warnings == 1 and site.not_checked["non-causal attention over several query tokens"] == 1
