@@ -43,6 +43,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _OWN_FILES = {os.path.join(_HERE, name) for name in ("shadow.py", "shadow_patch.py")}
 
 Reader = Callable[["ShadowSession", dict], LiveCall]
+Kept = tuple["Path | None", str]  # keep_reproducer's (fixture path or None, what the report says of it)
 
 
 class ShadowError(MLAVerifyError, AssertionError):
@@ -270,7 +271,7 @@ class ShadowSession:
         return report
 
     def _explain_and_keep(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
-                          verdict: Judgement, findings: list[Finding]) -> tuple[list[str], str | None]:
+                          verdict: Judgement, findings: list[Finding]) -> tuple[list[str], Kept | None]:
         problem, out, lse, layout = pre.problem, verdict.out, verdict.lse, pre.layout
         assert problem is not None and out is not None and layout is not None
         base = call.contract.lse_base if call.return_lse else None
@@ -281,10 +282,10 @@ class ShadowSession:
         worst = verdict.stats.worst[0] if verdict.stats is not None else 0
         kept = self._guarded(tally, lambda: keep_reproducer(self.fixtures_dir, problem, out, lse, layout, worst,
                                                             record, self.cap_bytes))
-        return diagnosis, None if kept is None else kept[1]
+        return diagnosis, kept
 
     def _report(self, entry: _Entry, site: str, call: LiveCall, pre: Precheck, verdict: Judgement,
-                diagnosis: list[str], kept: str | None, stopped: bool = False) -> str:
+                diagnosis: list[str], kept: Kept | None, stopped: bool = False) -> str:
         findings = pre.findings + verdict.findings
         if verdict.failures:
             headline = "MISMATCH"
@@ -302,10 +303,10 @@ class ShadowSession:
         if verdict.failures:
             lines += [f"  diagnosis: {d}" for d in diagnosis] or \
                      ["  diagnosis: none of the known misreadings explains the output"]
-        if kept:
-            lines.append(f"  {kept}")
-            if kept.startswith("reproducer: "):
-                path = kept.removeprefix("reproducer: ").split(" (")[0]
+        if kept is not None:
+            path, note = kept
+            lines.append(f"  {note}")
+            if path is not None:
                 how = "" if call.replay else " --kernel MODULE:ATTR"
                 lines.append(f"  re-run: mla-verify replay {path}{how}")
         return "\n".join(lines)
