@@ -164,6 +164,8 @@ def test_out_must_be_written_in_place_and_returned() -> None:
     found = result_parts(fresh, out, False)[2]
     assert [f.field for f in found] == ["out"] and "sees stale values" in found[0].message
     assert result_parts(out.clone(), out, False)[2] == []  # a copy of what it wrote in place is fine
+    out[0, 0] = float("nan")
+    assert result_parts(out.clone(), out, False)[2] == []  # NaN included
     none = result_parts(None, out, False)
     assert none[0] is out and "returned NoneType" in none[2][0].message  # the buffer is what gets judged
     assert "the result is lost" in result_parts(None, None, False)[2][0].message
