@@ -118,3 +118,87 @@ def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
 def test_every_envelope_field_can_be_declared() -> None:
     assert set(_FIELDS) == {f.name for f in dataclasses.fields(Envelope)}
     assert envelope_from_overrides({}) == TRTLLM_ENVELOPE
+
+
+# ---------------------------------------------------------------- where a kernel is found
+NEIGHBOUR = "SCALE = 1.0\n"
+USES_NEIGHBOUR = '''
+from helper_consts import SCALE  # a file beside it, as `python path/to/file.py` would find it
+from mla_verify.backends.cpu_peer import cpu_peer_decode
+
+def decode(*args, **kwargs):
+    """Reads a constant from the file beside it."""
+    return cpu_peer_decode(*args, **kwargs)
+'''
+
+
+@pytest.fixture
+def kernel_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's folder with a kernel file and a helper it imports; the current directory, not on sys.path."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "user_decode.py").write_text(USES_NEIGHBOUR)
+    (folder / "helper_consts.py").write_text(NEIGHBOUR)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(folder))])
+    for name in ("user_decode", "helper_consts"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    return folder
+
+
+def test_a_module_in_the_current_directory_is_found(kernel_dir: Path) -> None:
+    backend = load_kernel("user_decode:decode")
+    assert backend.name == "user_decode:decode" and backend.description == "Reads a constant from the file beside it."
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute", "from elsewhere"])
+def test_a_kernel_file_is_loaded_by_path(kernel_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    target = {"relative": "user_decode.py:decode", "absolute": f"{kernel_dir / 'user_decode.py'}:decode",
+              "from elsewhere": "work/user_decode.py:decode"}[where]
+    if where == "from elsewhere":
+        monkeypatch.chdir(kernel_dir.parent)
+    backend = load_kernel(target)
+    spec = ProblemSpec(seq_lens=(3, 40), num_heads=2, page_size=32, seed=1)
+    assert run_case(backend, spec, LayoutSpec(), "cpu").verdict == "pass"
+    assert load_kernel(target).fn is backend.fn  # the file runs once however often it is named
+
+
+@pytest.mark.parametrize("write,target,complaint", [
+    (None, "absent.py:decode", "--kernel: kernel file absent.py does not exist"),
+    (None, "work:decode", "kernel module 'work' not found in the current directory"),
+    ("raise ValueError('no GPU here')\n", "bad_file.py:decode",
+     "running kernel file bad_file.py failed: ValueError: no GPU here at bad_file.py:1 in <module>"),
+    ("def decode(:\n", "bad_file.py:decode", "running kernel file bad_file.py failed: SyntaxError"),
+    ("import not_installed_anywhere\n", "bad_file:decode",
+     "importing kernel module 'bad_file' failed: ModuleNotFoundError: No module named 'not_installed_anywhere'"),
+    ("x = 1\n", "bad_file.py:decode", "kernel 'bad_file.py:decode': 'bad_file.py' has no attribute 'decode'"),
+    (None, "user_decode.py:", "--kernel expects MODULE:ATTR or path/to/file.py:ATTR"),
+    (None, "user decode:decode", "is neither a module name nor a path to a .py file"),
+])
+def test_file_and_module_errors_are_one_line(kernel_dir: Path, write: str | None, target: str, complaint: str) -> None:
+    if write is not None:
+        (kernel_dir / "bad_file.py").write_text(write)
+    with pytest.raises(UsageError) as err:
+        load_kernel(target)
+    assert complaint in str(err.value) and "\n" not in str(err.value)
+
+
+RAISES_IN_TORCH = '''
+import torch
+
+def _pad(x):
+    return torch.nn.functional.pad(x, (1, 1), mode="no-such-mode")  # raises inside torch's Python code
+
+def decode(query, *args, **kwargs):
+    return _pad(query)
+'''
+
+
+def test_a_kernel_that_raises_is_located_in_its_own_file(kernel_dir: Path) -> None:
+    (kernel_dir / "raising.py").write_text(RAISES_IN_TORCH)
+    result = run_case(load_kernel("raising.py:decode"), ProblemSpec(seq_lens=(5,), num_heads=2, page_size=32),
+                      LayoutSpec(), "cpu")
+    assert result.verdict == "fail" and result.reason.startswith("kernel raised ")
+    # the kernel's own deepest line, not torch's, nor the suite's adapter that called it
+    assert result.reason.endswith("at raising.py:5 in _pad"), result.reason
+    assert result.diagnosis == []  # no output: nothing to diagnose, and no claim that nothing explains it

@@ -1,4 +1,5 @@
-"""``--kernel MODULE:ATTR``: any Contract-1 callable becomes a backend, held to trtllm-gen's envelope.
+"""``--kernel MODULE:ATTR`` or ``--kernel path/to/file.py:ATTR``: any Contract-1 callable becomes a backend,
+held to trtllm-gen's envelope.
 
 A kernel may declare another envelope with an attribute holding Envelope field overrides::
 
@@ -9,12 +10,19 @@ UsageError (exit 2), never a silent fallback to the default envelope. See docs/b
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import re
+import sys
+from types import ModuleType
 from typing import Any, Callable
 
 from ..errors import UsageError
 from ..generate import DTYPES
 from ..layouts import CACHE_DIMS, TABLE_WIDTHS
+from ..tracebacks import exception_line
 from .base import Envelope
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
@@ -78,24 +86,89 @@ def envelope_from_overrides(overrides: Any, base: Envelope = TRTLLM_ENVELOPE, ow
     return base.narrowed(**{k: _tupled(v) for k, v in overrides.items()})
 
 
-def load_kernel(target: str) -> TrtllmStyleBackend:
-    """``"pkg.mod:attr"`` (attr may be dotted) -> a backend calling that Contract-1 callable."""
-    module_name, sep, attr_path = target.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise UsageError(f"--kernel expects MODULE:ATTR (e.g. my_pkg.kernels:decode), got {target!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise UsageError(f"kernel module '{module_name}' not found ({exc})") from None
-    except (Exception, SystemExit) as exc:  # a module that fails (or exits) while importing: one line
-        raise UsageError(f"importing kernel module '{module_name}' failed: {type(exc).__name__}: {exc}") from None
+def load_kernel(target: str, flag: str = "--kernel") -> TrtllmStyleBackend:
+    """``"pkg.mod:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> a backend calling that callable.
+
+    A module is found as ``python -m`` finds it: the current directory first, then sys.path. A file is run as
+    a module of its own, its directory first on sys.path (as ``python path/to/file.py`` has it), so it can
+    import the files beside it. Every error is a one-line UsageError naming ``flag``.
+    """
+    source, _, attr_path = target.rpartition(":")  # rpartition: a Windows path has a drive colon
+    if not source or not _ATTR_PATH.fullmatch(attr_path):
+        raise UsageError(f"{flag} expects MODULE:ATTR or path/to/file.py:ATTR "
+                         f"(e.g. my_pkg.kernels:decode or kernels.py:decode), got {target!r}")
+    if _is_path(source):
+        obj: Any = _import_file(source, flag)
+    elif _MODULE.fullmatch(source):
+        obj = _import_module(source, flag)
+    else:
+        raise UsageError(f"{flag}: {source!r} is neither a module name nor a path to a .py file")
+    owner = source
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"kernel '{target}': '{getattr(obj, '__name__', obj)}' has no attribute '{part}'")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"kernel '{target}' is a {type(obj).__name__}, not a callable")
-    declared = getattr(obj, ENVELOPE_ATTR, None)
-    envelope = TRTLLM_ENVELOPE if declared is None else envelope_from_overrides(declared, owner=f"kernel '{target}'")
-    doc = (getattr(obj, "__doc__", None) or "").strip().splitlines()
-    return TrtllmStyleBackend(target, obj, envelope, doc[0] if doc else f"user kernel {target}")
+            raise UsageError(f"kernel '{target}': '{owner}' has no attribute '{part}'")
+        obj, owner = getattr(obj, part), part
+    return kernel_backend(obj, target)
+
+
+def kernel_backend(fn: Any, name: str) -> TrtllmStyleBackend:
+    """A backend named ``name`` calling the Contract-1 callable ``fn``, held to its declared envelope (or
+    trtllm-gen's); its description is the first line of its docstring."""
+    if not callable(fn):
+        raise UsageError(f"kernel '{name}' is a {type(fn).__name__}, not a callable")
+    declared = getattr(fn, ENVELOPE_ATTR, None)
+    envelope = TRTLLM_ENVELOPE if declared is None else envelope_from_overrides(declared, owner=f"kernel '{name}'")
+    doc = (getattr(fn, "__doc__", None) or "").strip().splitlines()
+    return TrtllmStyleBackend(name, fn, envelope, doc[0] if doc else f"user kernel {name}")
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_ATTR_PATH = _MODULE  # attributes are dotted identifiers too
+
+
+def _is_path(source: str) -> bool:
+    return source.endswith(".py") or "/" in source or os.sep in source
+
+
+def _first_on_sys_path(directory: str) -> None:
+    """Put ``directory`` first on sys.path unless it is already there (``""`` stands for the current one)."""
+    here = os.path.abspath(directory)
+    if not any(os.path.abspath(p or os.curdir) == here for p in sys.path):
+        sys.path.insert(0, here)
+
+
+def _import_module(name: str, flag: str) -> ModuleType:
+    _first_on_sys_path(os.curdir)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise UsageError(f"{flag}: kernel module '{name}' not found in the current directory "
+                             f"({os.getcwd()}) or on sys.path; a file is given as path/to/file.py:ATTR") from None
+        raise UsageError(f"{flag}: importing kernel module '{name}' failed: {exception_line(exc)}") from None
+    except (Exception, SystemExit) as exc:  # a module that fails (or exits) while importing: one line
+        raise UsageError(f"{flag}: importing kernel module '{name}' failed: {exception_line(exc)}") from None
+
+
+def _import_file(path_text: str, flag: str) -> ModuleType:
+    path = os.path.abspath(os.path.expanduser(path_text))
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag}: kernel file {path_text} " + ("is not a file" if os.path.exists(path)
+                                                              else "does not exist"))
+    if not path.endswith(".py"):
+        raise UsageError(f"{flag}: kernel file {path_text} is not a .py file")
+    # one module per file, under a name no other module has: loading the same file again reuses it
+    name = "mla_verify_user_kernel_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    _first_on_sys_path(os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a .py path always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it, as import does: dataclasses and pickling look it up
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[name]
+        raise UsageError(f"{flag}: running kernel file {path_text} failed: {exception_line(exc)}") from None
+    return module
