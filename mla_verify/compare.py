@@ -156,7 +156,8 @@ def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:
     if inf_count:
         cause.append(f"{inf_count} inf (out was poisoned with +inf: unwritten elements)")
     if nan_count:
-        cause.append(f"{nan_count} NaN (unused cache slots hold NaN: a read outside the sequence)")
+        cause.append(f"{nan_count} NaN (read from the NaN-filled unused cache slots, or made by the kernel itself, "
+                     "e.g. in a split whose keys are all masked: the diagnosis tells which)")
     return (f"{bad.shape[0]} non-finite values in out where the reference is finite, first at batch {b}, "
             f"token {t}, head {h}, dim {d}: " + "; ".join(cause))
 

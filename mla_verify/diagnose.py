@@ -15,12 +15,17 @@ An entry *explains* the output when
 Non-finite values must sit at the same places in both (a kernel that reads NaN-poisoned slots is explained
 by the misreading that reads those same slots); only the finite values enter the L2 norms.
 The LSE entries use compare.py's LSE tolerance (a base mix-up misses it by a factor ~1.44).
+An fp8 problem is recomputed in bf16 (``exact_bf16``: the same values, and the operations fp8 lacks on
+CUDA, such as ``roll``, work).
+
+``diagnose_safely`` is what the harness calls: the explanations as lines or, when none fits, where the output
+is wrong (localize.py); any error inside becomes one "diagnosis failed: ..." line.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,8 +33,13 @@ from .compare import LSE_ABS_TOL, LSE_REL_TOL
 from .dims import R1_YARN_FACTOR, yarn_mscale
 from .errors import ProblemError
 from .layouts import padded_width
+from .memory import is_out_of_memory, release_cached
 from .problem import FP8, DecodeProblem
 from .reference import ReferenceResult, reference_decode
+from .tracebacks import exception_line
+
+if TYPE_CHECKING:
+    from .localize import Rerun
 
 # rel L2 below which a recomputation explains the output. fp8: a careful fp8 kernel (fp8 probabilities)
 # reaches rel L2 ~3e-2 (compare.py), so it gets 4x that; TRUTH_MARGIN keeps it discriminating.
@@ -38,6 +48,16 @@ TRUTH_MARGIN = 4.0
 PAGE_SIZES = (16, 32, 64, 128)  # page sizes a kernel may assume instead of reading the cache shape
 R1_MSCALE_SQ = yarn_mscale(R1_YARN_FACTOR) ** 2
 OUT_METRIC = "rel L2 of out"
+WHERE = "where: "  # the start of every localization line (localize.py), as against an explanation
+FAILED, SKIPPED = "diagnosis failed: ", "diagnosis skipped: "  # an error inside the diagnosis; no memory for it
+
+
+def exact_bf16(problem: DecodeProblem) -> DecodeProblem:
+    """An fp8 problem with query and cache in bf16, which holds every fp8 value exactly: the reference gives
+    the same numbers, and the tensor operations fp8 lacks on CUDA (roll, indexing, where) all work."""
+    if problem.query.dtype != FP8 and problem.kv_cache.dtype != FP8:
+        return problem
+    return replace(problem, query=problem.query.to(torch.bfloat16), kv_cache=problem.kv_cache.to(torch.bfloat16))
 
 
 @dataclass(frozen=True)
@@ -192,9 +212,10 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
 
     ``truth`` (the reference of ``problem``) saves one recomputation when the caller already has it.
     """
+    tol = OUT_TOL["fp8" if problem.query.dtype == FP8 else "other"]
+    problem = exact_bf16(problem)
     truth = truth if truth is not None else reference_decode(problem, precision=torch.float32)
     found: list[Explanation] = []
-    tol = OUT_TOL["fp8" if problem.query.dtype == FP8 else "other"]
     truth_error = relative_error(kernel_out, truth.out)
     names = list(CATALOG)
     if problem.num_heads > 2:
@@ -220,6 +241,32 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
                 found.append(Explanation(name, f"{description} where base {lse_base:g} is promised", error,
                                          truth_lse_error, "LSE error / tolerance"))
     return sorted(found, key=lambda e: (e.metric != OUT_METRIC, e.error))
+
+
+def diagnose_safely(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None = None,
+                    lse_base: float = 2.0, truth: ReferenceResult | None = None,
+                    rerun: "Rerun | None" = None) -> list[str]:
+    """The catalog's explanations of a failing output, else localize.py's lines on where it is wrong; never
+    raises (but KeyboardInterrupt): an error inside is reported as one line, the verdict stands without it.
+    ``rerun`` runs the kernel on another problem (localize.py uses it to tell where a NaN comes from)."""
+    from .localize import localize  # localize builds on this module's bar for a match
+
+    try:
+        truth = truth if truth is not None else reference_decode(exact_bf16(problem), precision=torch.float32)
+        found = diagnose(problem, out, lse, lse_base, truth)
+        if found:
+            return [str(e) for e in found]
+        return localize(problem, out, truth, lse, lse_base, rerun)
+    except Exception as exc:  # noqa: BLE001 - diagnosis is advice: it must never turn a verdict into a crash
+        if is_out_of_memory(exc):
+            release_cached(problem.device)
+            return [f"{SKIPPED}out of device memory"]
+        return [f"{FAILED}{exception_line(exc)}"]
+
+
+def explained(lines: list[str]) -> bool:
+    """Whether ``diagnose_safely``'s lines name a catalogued misreading (not only where the output is wrong)."""
+    return any(not line.startswith((WHERE, FAILED, SKIPPED)) for line in lines)
 
 
 def _error(name: str, problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult) -> float:

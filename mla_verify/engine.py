@@ -23,6 +23,7 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 
 from .backends.base import Backend
+from .diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case
 from .profiles import Profile, get_profile, hypothesis_settings
 from .strategies import Budget, Case, budget_for, cases, corner_cases
@@ -157,7 +158,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     else:
         result.failure = corner_failure
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
-            and not result.failure.diagnosis and corner_failure.diagnosis:
+            and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
         result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
                                     for d in corner_failure.diagnosis]

@@ -8,7 +8,8 @@
 4. Check: ``out`` filled in place and returned, inputs bit-identical, every element finite and within the
    tolerance model (compare.py), LSE in the backend's base; the same call again gives the same bits; one
    metamorphic transformation (metamorphic.py) gives the same bits.
-5. On failure, ask diagnose.py which known misreading explains the output.
+5. On failure, ask diagnose.py which known misreading explains the output, or where it is wrong
+   (localize.py, which may re-run the kernel to tell where a NaN comes from).
 
 Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
 reason (memory.py). A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time
@@ -21,8 +22,7 @@ import contextlib
 import hashlib
 import json
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -30,11 +30,13 @@ import torch
 from . import metamorphic
 from .backends.base import ENVELOPE_PREFIX, Backend, PreparedCall
 from .compare import ErrorStats, baseline_decode, compare
+from .diagnose import diagnose_safely
 from .generate import ProblemSpec, build_problem
 from .layouts import LayoutSpec
 from .memory import is_out_of_memory, release_cached
 from .problem import DecodeProblem
 from .reference import ReferenceResult, fast_matmul_mode, reference_decode
+from .tracebacks import exception_line
 from .watchdog import KernelTimeout, time_limit
 
 POISON_OUT = float("inf")
@@ -173,7 +175,8 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
         result.verdict, result.reason, result.problem = "fail", failures[0], problem
         if diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
             with stage("diagnose"):
-                result.diagnosis = _diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref)
+                result.diagnosis = diagnose_safely(problem, result.out, result.lse, backend.envelope.lse_base, ref,
+                                                   rerun=lambda moved: _rerun(backend, moved, layout, limit))
 
 
 @dataclass
@@ -191,7 +194,7 @@ def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
     except Exception as exc:  # noqa: BLE001 - a backend that cannot even lay out an in-envelope problem fails
         if is_out_of_memory(exc):
             raise
-        failures.append(f"preparing the call raised {_exc_line(exc)}")
+        failures.append(f"preparing the call raised {exception_line(exc)}")
         return None
 
 
@@ -216,18 +219,18 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
         if is_out_of_memory(exc):
             raise
-        failures.append(f"kernel raised {_exc_line(exc)}")
+        failures.append(f"kernel raised {exception_line(exc)}")
         return None
     try:
         out, lse = prepared.to_canonical(raw)
     except Exception as exc:  # noqa: BLE001
-        failures.append(f"kernel returned something off-contract: {_exc_line(exc)}")
+        failures.append(f"kernel returned something off-contract: {exception_line(exc, located=False)}")
         return None
-    if prepared.out is not None:
-        if not isinstance(out, torch.Tensor) or out.data_ptr() != prepared.out.data_ptr():
-            written = not bool(torch.isinf(prepared.out).all())
+    unwritten = prepared.out is not None and bool(torch.isinf(prepared.out).all())
+    if prepared.out is not None and isinstance(out, torch.Tensor):  # not a tensor at all: one message, below
+        if out.data_ptr() != prepared.out.data_ptr():
             failures.append("kernel returned a tensor other than the `out` buffer it was given"
-                            + ("" if written else ", and left that buffer unwritten (out= ignored)"))
+                            + (", and left that buffer unwritten (out= ignored)" if unwritten else ""))
     if isinstance(out, torch.Tensor) and out.dtype != torch.bfloat16:
         failures.append(f"out dtype is {out.dtype}, the contract says bf16")
     names = list(snapshot)
@@ -235,7 +238,8 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
         if changed:
             failures.append(f"kernel modified its input '{name}' ({changed} elements changed)")
     if not isinstance(out, torch.Tensor):
-        failures.append(f"kernel returned {type(out).__name__}, not a tensor")
+        failures.append(f"kernel returned {type(out).__name__}, not a tensor"
+                        + (", and left the `out` buffer it was given unwritten" if unwritten else ""))
         return None
     judged = prepared.scaled(out)  # output_scale, if any, applied in float64
     return (judged.clone() if judged is out else judged), (None if lse is None else lse.clone())
@@ -298,21 +302,10 @@ def judge_reference(problem: DecodeProblem) -> ReferenceResult:
     return reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem))
 
 
-def _diagnose(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
-              truth: ReferenceResult | None) -> list[str]:
-    """The diagnosis lines; it never turns a verdict into a crash: any error in it is one line instead."""
-    from .diagnose import diagnose
-    try:
-        return [str(e) for e in diagnose(problem, out, lse, lse_base, truth=truth)]
-    except Exception as exc:  # noqa: BLE001 - the verdict stands whatever diagnosis does
-        if is_out_of_memory(exc):
-            release_cached(problem.device)
-            return ["diagnosis skipped: out of device memory"]
-        return [f"diagnosis failed: {_exc_line(exc)}"]
-
-
-def _exc_line(exc: BaseException) -> str:
-    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    where = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else ""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}{where}"
+def _rerun(backend: Backend, problem: DecodeProblem, layout: LayoutSpec, limit: _Limit) -> torch.Tensor | None:
+    """The kernel's output on another problem (diagnosis re-runs it), laid out as before but with contiguous
+    pages -- the NaN between strided pages must not stand in for the poison the re-run replaced -- and under
+    the case's time limit (a timeout here is no verdict: the case has failed already)."""
+    prepared = _prepare(backend, problem, replace(layout, page_stride_pad=0), [])
+    run = None if prepared is None else _call(prepared, problem, [], _Limit(limit.seconds, replace(limit.result)))
+    return None if run is None else run[0]

@@ -29,7 +29,7 @@ def test_correct_kernel_passes_every_check(transform):
 @pytest.mark.parametrize("mutant, transform, spec_change, needle", [
     ("unwritten_aligned_rows", "none", {}, "inf (out was poisoned with +inf: unwritten elements)"),
     ("cache_written", "none", {}, "modified its input 'kv_pool'"),
-    ("nan_leak_unmasked_tail", "none", {}, "NaN (unused cache slots hold NaN"),
+    ("nan_leak_unmasked_tail", "none", {}, "NaN (read from the NaN-filled unused cache slots"),
     ("nondeterministic", "none", {}, "not bit-identical with a second identical call"),
     # pages laid out in ascending order: the kernel is right on the original problem and only the
     # permuted-pages run exposes it

@@ -1,0 +1,86 @@
+"""Three faulty Contract-1 kernels that no catalogued misreading explains, for the localization tests (each
+one bug a real kernel has had the shape of). Importable as ``faulty_kernels:<name>`` with tests/ on
+PYTHONPATH. Each declares a small CPU envelope, so the engine's premerge run on it stays quick.
+
+- ``upper_heads_rescaled``: the CPU peer, except that the second tile of 64 heads scales its scores by 1.5.
+- ``splits_capped``: the CPU peer with a split table sized for 4 splits of 64 tokens: positions >= 256 are
+  never visited.
+- ``empty_split_nan``: flash-decoding over fixed splits of ``max_seq_len``, every sequence through every
+  split; a split past a short sequence's end has all its keys masked, its maximum is -inf, and
+  exp(-inf - -inf) is NaN. It never reads a cache slot outside a sequence.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mla_verify.backends.cpu_peer import cpu_peer_decode
+from mla_verify.layouts import canonical_cache
+
+HEAD_TILE = 64
+TILE_SCALE = 1.5
+SPLIT = 64
+MAX_SPLITS = 4
+_SMALL = {"devices": ["cpu"], "dims": [[256, 64]], "page_sizes": [16, 32], "q_len": [1, 2], "max_batch": 4}
+
+
+def upper_heads_rescaled(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int,
+                         rope: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                         out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+                         return_lse: bool = False, **kwargs: Any) -> Any:
+    """Heads from 64 on are computed with bmm1_scale x 1.5."""
+    common = (kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, max_seq_len)
+    low = cpu_peer_decode(query[:, :, :HEAD_TILE], *common, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale,
+                          return_lse=True)
+    high = cpu_peer_decode(query[:, :, HEAD_TILE:], *common, bmm1_scale=bmm1_scale * TILE_SCALE,
+                           bmm2_scale=bmm2_scale, return_lse=True)
+    result = torch.cat([low[0], high[0]], dim=2)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, torch.cat([low[1], high[1]], dim=1)) if return_lse else result
+
+
+def splits_capped(*args: Any, **kwargs: Any) -> Any:
+    """Visits at most 4 splits of 64 tokens."""
+    args = list(args)
+    args[8] = min(args[8], MAX_SPLITS * SPLIT)  # max_seq_len: what the split loop runs to
+    return cpu_peer_decode(*args, tokens_per_split=SPLIT, **kwargs)
+
+
+def empty_split_nan(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int, rope: int,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                    out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+                    return_lse: bool = False, **kwargs: Any) -> Any:
+    """Splits of 64 positions up to max_seq_len for every sequence, merged without guarding empty ones."""
+    cache = canonical_cache(kv_cache)
+    B, Q, H, D = query.shape
+    page = cache.shape[1]
+    pos = torch.arange(max_seq_len, device=query.device)
+    lens = seq_lens.long()
+    valid = pos[None, :] < lens[:, None]  # [B, T]
+    pages = torch.where(valid, block_tables[:, pos // page], 0).long()
+    rows = cache[pages, pos % page].float().masked_fill(~valid[..., None], 0.0)  # nothing outside is used
+    scores = torch.einsum("bqhd,btd->bqht", query.float(), rows) * bmm1_scale
+    limit = lens[:, None] - Q + torch.arange(Q, device=query.device)  # [B, Q]: the last visible position
+    scores = scores.masked_fill((pos[None, None, :] > limit[..., None])[:, :, None, :], float("-inf"))
+    maxima = [s.amax(-1, keepdim=True) for s in scores.split(SPLIT, -1)]  # -inf for a split with no key
+    top = torch.stack(maxima).amax(0)
+    num = torch.zeros((B, Q, H, rank), device=query.device)
+    den = torch.zeros((B, Q, H, 1), device=query.device)
+    for s, m, v in zip(scores.split(SPLIT, -1), maxima, rows[..., :rank].split(SPLIT, 1)):
+        e = torch.exp(s - m) * torch.exp(m - top)  # the bug: exp(-inf - -inf) = NaN for an empty split
+        num += torch.einsum("bqht,btl->bqhl", e, v)
+        den += e.sum(-1, keepdim=True)
+    result = (num / den * bmm2_scale).to(torch.bfloat16)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    lse = ((top + den.log()) / torch.log(torch.tensor(2.0))).reshape(B * Q, H)
+    return (result, lse) if return_lse else result
+
+
+upper_heads_rescaled.mla_verify_envelope = {**_SMALL, "heads": [72, 128], "max_seq_len": 96}
+splits_capped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 400}
+empty_split_nan.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 200}
