@@ -25,7 +25,7 @@ from hypothesis.errors import Flaky
 from .backends.base import Backend
 from .diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case
-from .profiles import Profile, get_profile, hypothesis_settings
+from .profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
 from .strategies import Budget, Case, budget_for, cases, corner_cases
 
 DEFAULT_SEED = 20261201
@@ -186,7 +186,8 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
     if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
         search = hypothesis_seed(seed)(search)
     try:
-        search()
+        with hypothesis_storage():
+            search()
     except _CaseFailed:
         pass
     except Flaky:

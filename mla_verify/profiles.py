@@ -8,9 +8,13 @@ dev       a quick look.
 """
 from __future__ import annotations
 
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.database import ExampleDatabase
 
 from .errors import UsageError
@@ -56,3 +60,18 @@ def hypothesis_settings(profile: Profile, max_examples: int | None,
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),  # big tensors are drawn from small specs; nothing to flag
     )
+
+
+@contextmanager
+def hypothesis_storage() -> Iterator[None]:
+    """Hypothesis caches the constants in the source of every local module under its storage directory
+    (``./.hypothesis`` by default) as it draws. The engine keeps no example database there (it has none or
+    the one named), so a run must leave nothing in the user's directory: for the run the cache goes to a
+    temporary directory, then Hypothesis's default (``HYPOTHESIS_STORAGE_DIRECTORY``, else ./.hypothesis)
+    is back for the user's own Hypothesis tests."""
+    with tempfile.TemporaryDirectory(prefix="mla-verify-hypothesis-") as scratch:
+        set_hypothesis_home_dir(scratch)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)
