@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Verify kernels. Exit 0: all passed; 1: a discrepancy; 2: bad usage.")
     which = check.add_mutually_exclusive_group()
     which.add_argument("--kernel", action="append", metavar="MODULE:ATTR",
-                       help="a trtllm-style callable to verify (repeatable)")
+                       help="a trtllm-style callable to verify, MODULE:ATTR or path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify (repeatable; see list-backends)")
     _device_argument(check, "cpu")
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="re-run a reproducer fixture against the reference and its backend")
     replay.add_argument("fixture", metavar="FIXTURE", help="the fixture's .json (or .safetensors, or their stem)")
     which = replay.add_mutually_exclusive_group()
-    which.add_argument("--kernel", metavar="MODULE:ATTR", help="run this callable instead of the recorded one")
+    which.add_argument("--kernel", metavar="MODULE:ATTR",
+                       help="run this callable (MODULE:ATTR or path/to/file.py:ATTR) instead of the recorded one")
     which.add_argument("--backend", metavar="NAME", help="run this backend instead of the recorded one")
     _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
     replay.set_defaults(func=cmd_replay)
@@ -193,6 +194,7 @@ def _version() -> str:
 def cmd_check(ns: argparse.Namespace) -> int:
     from . import stage_times
     from .engine import verify
+    from .failure import failure_lines, save_reproducer
     from .fixtures import check_writable_dir
     from .progress import Progress
     from .hypothesis_db import resolve_database
@@ -242,12 +244,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
     fixtures = {}
     for r in results:
         if r.failure is not None and r.failure.problem is not None:
-            saved = _save_reproducer(ns.fixtures_dir, r.failure)
+            saved = save_reproducer(ns.fixtures_dir, r.failure)
             if saved is not None:
                 fixtures[r.backend] = str(saved)
     for r in results:
         if r.failure is not None:
-            _print_failure(r.failure, fixtures.get(r.backend))
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend))))
     if report_path is not None:
         run = {"command": ns.command_line,
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
@@ -285,43 +287,6 @@ def _select_backends(kernels: list[str] | None, names: list[str] | None,
         if reason is not None and (kernels or names):
             raise UsageError(f"{b.name} cannot run on {device}: {reason}")
     return chosen
-
-
-def _save_reproducer(directory: Path, case: Any) -> Path | None:
-    """The minimal failing case as a fixture: its problem, the kernel's output, and how to re-run it."""
-    from .fixtures import save_fixture
-
-    meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
-            "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,
-            "reason": case.reason, "failures": case.failures, "diagnosis": case.diagnosis,
-            "stats": None if case.stats is None else case.stats.to_json(), "description": case.describe()}
-    extra = {}
-    if case.out is not None:
-        extra["kernel_out"] = case.out
-    if case.lse is not None:
-        extra["kernel_lse"] = case.lse
-    try:
-        return save_fixture(directory, case.id, case.problem, meta, extra)
-    except OSError as e:  # the discrepancy still stands (exit 1); only its reproducer is lost
-        print(f"mla-verify check: could not write the reproducer in {directory}: {e.strerror}", file=sys.stderr)
-        return None
-
-
-def _print_failure(case: Any, fixture: str | None) -> None:
-    print(f"\nFAIL {case.backend}: {case.reason}")
-    print(f"  minimal case: {case.spec.describe()}")
-    print(f"  layout: {case.layout.describe()}" + (f"; metamorphic check: {case.metamorphic}"
-                                                   if case.metamorphic != "none" else ""))
-    for f in case.failures:
-        print(f"  - {f}")
-    if case.diagnosis:
-        for d in case.diagnosis:
-            print(f"  diagnosis: {d}")
-    else:
-        print("  diagnosis: none of the known misreadings explains the output")
-    if fixture:
-        print(f"  reproducer: {fixture}")
-        print(f"  re-run: mla-verify replay {fixture}")
 
 
 def _summary_line(result: Any) -> str:

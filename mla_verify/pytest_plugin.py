@@ -1,5 +1,6 @@
-"""pytest plugin (loaded through the pytest11 entry point): the suite's options, markers, fixtures, and the
-per-worker device assignment for ``pytest -n auto`` (see workers.py and docs/pytest.md).
+"""pytest plugin (loaded through the pytest11 entry point): the suite's options, markers, fixtures, the
+per-worker device assignment for ``pytest -n auto`` (see workers.py and docs/pytest.md), and the tests
+``--mla-kernel`` adds (pytest_helpers.py).
 
 Every option is read from the command line, else ``MLA_VERIFY_<NAME>`` in the environment, else the ini
 key ``mla_<name>``, else its default. Shadow mode's options (``--mla-shadow`` ...) live in shadow_pytest.py.
@@ -10,7 +11,9 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -20,12 +23,12 @@ from .backends.user_kernel import load_kernel
 from .errors import UsageError
 from .hypothesis_db import resolve_database
 from .profiles import PROFILES
+from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
 from .workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request
 
 # premerge is derandomized: a plain `pytest` run gives the same cases on any number of workers and GPUs.
 DEFAULT_PROFILE = "premerge"
 SLOT_INPUT = "mla_verify_slot"  # key in xdist's workerinput: the slot the controller gave this worker
-_KERNEL_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 pytest_plugins = ["mla_verify.shadow_pytest"]  # --mla-shadow: checks the MLA decode calls any test makes
 
@@ -44,17 +47,23 @@ class MLAOptions:
     profile: str
     seed: int | None
     hypothesis_db: str | None  # directory or redis:// URL, resolved by hypothesis_db.resolve_database
+    shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
+    fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
 
 
 # name, metavar, help; "backend" is the one repeatable option (an ini linelist, a comma list in the env)
 _OPTION_HELP = (
     ("backend", "NAME", "backend to verify (repeatable; default: every backend available here)"),
-    ("kernel", "MODULE:ATTR", "a trtllm-style kernel callable to verify"),
+    ("kernel", "MODULE:ATTR", "a trtllm-style kernel callable to verify (or path/to/file.py:ATTR); adds its "
+                              "tests to the run"),
     ("device", "DEVICE", "cpu, cuda, cuda:N or auto (default auto: each xdist worker takes a visible GPU "
                          "round-robin, cpu when there is none)"),
     ("profile", "NAME", f"Hypothesis profile: {', '.join(PROFILES)} (default {DEFAULT_PROFILE})"),
     ("seed", "N", "Hypothesis seed (default: the profile's)"),
     ("hypothesis_db", "DB", "Hypothesis example database: a directory or redis://host:port/db"),
+    ("shards", "N", "split each backend's and kernel's verification into N tests with disjoint seeds "
+                    "(default: the number of xdist workers, 1 without xdist)"),
+    ("fixtures_dir", "DIR", f"where failing tests write reproducers (default {DEFAULT_FIXTURES_DIR})"),
 )
 
 
@@ -82,8 +91,6 @@ def _raw(config: pytest.Config, name: str) -> Any:
 def read_options(config: pytest.Config) -> MLAOptions:
     """Resolves and validates every option; raises UsageError (one line)."""
     kernel = _raw(config, "kernel")
-    if kernel is not None and not _KERNEL_RE.fullmatch(kernel):
-        raise UsageError(f"--mla-kernel: {kernel!r} is not MODULE:ATTR")
     profile = _raw(config, "profile") or DEFAULT_PROFILE
     if profile not in PROFILES:
         raise UsageError(f"--mla-profile: {profile!r} is not one of {', '.join(PROFILES)}")
@@ -94,18 +101,23 @@ def read_options(config: pytest.Config) -> MLAOptions:
         raise UsageError(f"--mla-seed: {seed_text!r} is not an integer") from None
     if seed is not None and seed < 0:
         raise UsageError(f"--mla-seed: {seed} is negative")
+    shards_text = _raw(config, "shards")
+    if shards_text is not None and not (shards_text.isdigit() and int(shards_text) >= 1):
+        raise UsageError(f"--mla-shards: {shards_text!r} is not a whole number >= 1")
     backends = tuple(_raw(config, "backend") or ())
     known = all_backends()
     unknown = [name for name in backends if name not in known]
     if unknown:  # a typo must not turn the gate into "everything skipped"
         raise UsageError(f"--mla-backend: unknown backend {unknown[0]!r}; known: {', '.join(sorted(known))}")
     if kernel is not None:
-        load_kernel(kernel)  # the same one-line errors as `mla-verify check --kernel`, before any test runs
+        load_kernel(kernel, "--mla-kernel")  # the one-line errors of `check --kernel`, before any test runs
     database = _raw(config, "hypothesis_db")
     resolve_database(database)
+    fixtures_dir = Path(_raw(config, "fixtures_dir") or DEFAULT_FIXTURES_DIR)
     return MLAOptions(backends=backends, kernel=kernel,
                       device=parse_device_request(_raw(config, "device") or "auto"), profile=profile,
-                      seed=seed, hypothesis_db=database)
+                      seed=seed, hypothesis_db=database, shards=None if shards_text is None else int(shards_text),
+                      fixtures_dir=str(config.invocation_params.dir / fixtures_dir))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -143,6 +155,68 @@ def mla_options(pytestconfig: pytest.Config) -> MLAOptions:
 def mla_device(pytestconfig: pytest.Config) -> torch.device:
     """This worker's device (``pytest_runtest_setup`` has already made it the current CUDA device)."""
     return torch.device(worker_assignment(pytestconfig).run_device)
+
+
+def shard_count(config: pytest.Config) -> int:
+    """``--mla-shards``, else one shard per xdist worker, else 1."""
+    shards = config.stash[_OPTIONS_KEY].shards
+    workerinput = getattr(config, "workerinput", None)
+    return shards or (int(workerinput["workercount"]) if workerinput else 1)
+
+
+@pytest.fixture
+def mla_shard() -> Shard:
+    """The whole verification; tests asking for it are parametrized over the shards when there are several."""
+    return Shard()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    count = shard_count(metafunc.config)
+    if "mla_shard" in metafunc.fixturenames and count > 1:
+        shards = [Shard(k, count) for k in range(count)]
+        metafunc.parametrize("mla_shard", shards, ids=[s.label for s in shards])
+
+
+def _bound(options: MLAOptions, device: torch.device, shard: Shard) -> dict[str, Any]:
+    return dict(device=device, profile=options.profile, seed=options.seed, shard=shard,
+                hypothesis_db=options.hypothesis_db, fixtures_dir=options.fixtures_dir)
+
+
+@pytest.fixture
+def mla_verify_kernel(mla_options: MLAOptions, mla_device: torch.device, mla_shard: Shard) -> Callable[..., Any]:
+    """``pytest_helpers.verify_kernel`` with this run's profile, seed, device, shard and reproducer directory:
+    ``def test_decode(mla_verify_kernel): mla_verify_kernel("mykernels:decode")``."""
+    return partial(verify_kernel, **_bound(mla_options, mla_device, mla_shard))
+
+
+class KernelItem(pytest.Item):
+    """One shard of ``--mla-kernel``'s verification, added to the collected tests (pytest_collection_modifyitems).
+    ``fixturenames`` makes the plugin treat it as a device test (its GPU made current, counted per worker)."""
+
+    fixturenames = ("mla_device",)
+
+    def __init__(self, *, shard: Shard, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.shard = shard
+
+    def runtest(self) -> None:
+        options = self.config.stash[_OPTIONS_KEY]
+        device = torch.device(worker_assignment(self.config).run_device)
+        verify_backend(load_kernel(options.kernel, "--mla-kernel"), **_bound(options, device, self.shard))
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return Path(__file__), None, self.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect, so they apply to these tests too
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    kernel = config.stash[_OPTIONS_KEY].kernel
+    if kernel is None:
+        return
+    count = shard_count(config)
+    for k in range(count):
+        name = f"mla_verify_kernel[{kernel}" + (f"-{Shard(k, count).label}]" if count > 1 else "]")
+        items.append(KernelItem.from_parent(session, name=name, nodeid=name, shard=Shard(k, count)))
 
 
 def uses_device(item: pytest.Item) -> bool:

@@ -18,6 +18,7 @@ pytest_plugins = ["pytester"]
 QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 
 OPTIONS_CHECK = """
+import os
 from mla_verify.pytest_plugin import MLAOptions
 from mla_verify.workers import DeviceRequest
 
@@ -28,7 +29,7 @@ def test_options(mla_options):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB"):
+    for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB", "SHARDS", "FIXTURES_DIR"):
         monkeypatch.delenv(f"MLA_VERIFY_{name}", raising=False)
     monkeypatch.delenv(FAKE_GPU_ENV, raising=False)
     return monkeypatch
@@ -36,40 +37,46 @@ def clean_env(monkeypatch):
 
 def test_defaults(pytester, clean_env):
     expected = ("MLAOptions(backends=(), kernel=None, device=DeviceRequest('auto'), profile='premerge', "
-                "seed=None, hypothesis_db=None)")
+                "seed=None, hypothesis_db=None, shards=None, "
+                "fixtures_dir=os.path.join(os.getcwd(), 'fixtures', 'regressions'))")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     pytester.runpytest(*QUIET).assert_outcomes(passed=1)
 
 
 def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     pytester.makeini("[pytest]\nmla_backend =\n    fa2\n    fa3\nmla_profile = fuzz\nmla_seed = 3\n"
-                     "mla_hypothesis_db = /tmp/db-from-ini\n")
+                     "mla_hypothesis_db = /tmp/db-from-ini\nmla_shards = 3\nmla_fixtures_dir = from-ini\n")
     clean_env.setenv("MLA_VERIFY_SEED", "7")  # env beats ini
+    clean_env.setenv("MLA_VERIFY_FIXTURES_DIR", "from-env")
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
     expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.mutants:correct_kernel', device=DeviceRequest('cpu'), "
-                "profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini')")
+                "profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
+                "fixtures_dir=os.path.join(os.getcwd(), 'from-env'))")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
+    # -k: only the options check, not the kernel tests --mla-kernel adds
     pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
-                       "--mla-profile", "dev").assert_outcomes(passed=1)
+                       "--mla-profile", "dev", "-k", "test_options").assert_outcomes(passed=1)
 
     clean_env.setenv("MLA_VERIFY_BACKEND", "trtllm-gen, fa3")  # a comma list in the env beats the ini lines
     for cli_backends, backends in [((), "('trtllm-gen', 'fa3')"),
                                    (("--mla-backend", "cutlass", "--mla-backend", "fa2"), "('cutlass', 'fa2')")]:
         pytester.makepyfile(OPTIONS_CHECK.format(expected=expected.replace("('fa2', 'fa3')", backends)))
         pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
-                           "--mla-profile", "dev", *cli_backends).assert_outcomes(passed=1)
+                           "--mla-profile", "dev", "-k", "test_options", *cli_backends).assert_outcomes(passed=1)
 
 
 @pytest.mark.parametrize("args, env, message", [
     (["--mla-device", "gpu"], {}, "ERROR: --mla-device: 'gpu' is not one of cpu, cuda, cuda:N, auto"),
     ([], {"MLA_VERIFY_PROFILE": "nightly"}, "ERROR: --mla-profile: 'nightly' is not one of *"),
     (["--mla-seed", "1.5"], {}, "ERROR: --mla-seed: '1.5' is not an integer"),
-    (["--mla-kernel", "no_colon"], {}, "ERROR: --mla-kernel: 'no_colon' is not MODULE:ATTR"),
+    (["--mla-kernel", "no_colon"], {}, "ERROR: --mla-kernel expects MODULE:ATTR or path/to/file.py:ATTR *"),
+    (["--mla-kernel", "missing.py:fn"], {}, "ERROR: --mla-kernel: kernel file missing.py does not exist"),
+    (["--mla-shards", "0"], {}, "ERROR: --mla-shards: '0' is not a whole number >= 1"),
     (["--mla-seed", "-1"], {}, "ERROR: --mla-seed: -1 is negative"),
     # a typo must not turn the gate into "everything skipped"
     (["--mla-backend", "fa4"], {}, "ERROR: --mla-backend: unknown backend 'fa4'; known: *"),
     ([], {"MLA_VERIFY_BACKEND": "fa3,nope"}, "ERROR: --mla-backend: unknown backend 'nope'; known: *"),
-    (["--mla-kernel", "no_such_pkg.mod:fn"], {}, "ERROR: kernel module 'no_such_pkg.mod' not found*"),
+    (["--mla-kernel", "no_such_pkg.mod:fn"], {}, "ERROR: --mla-kernel: kernel module 'no_such_pkg.mod' not found*"),
     (["--mla-hypothesis-db", "http://localhost/db"], {}, "ERROR: *"),
 ])
 def test_bad_option_is_one_usage_line(pytester, clean_env, args, env, message):

@@ -1,0 +1,90 @@
+"""Verifying a kernel from pytest, in the kernel engineer's own repository (docs/pytest.md).
+
+Three ways in, all running the engine as ``mla-verify check`` does and failing with its FAIL block (the
+minimal case, the diagnosis, the reproducer it wrote and the ``mla-verify replay`` command):
+
+- ``pytest --mla-kernel mykernels:decode`` (or ``path/to/kernels.py:decode``), from any directory: the plugin
+  adds the kernel's tests to whatever else was collected (none needed).
+- one line in a test: ``verify_kernel("mykernels:decode")`` or ``verify_kernel(decode)``.
+- the ``mla_verify_kernel`` fixture: ``verify_kernel`` bound to the run's options, device and shard.
+
+Sharding: with N shards (``--mla-shards N``; by default the number of xdist workers), each kernel's run
+becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k, and only shard 0 runs the
+profile's corner cases, so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from .backends.base import Backend
+from .backends.user_kernel import kernel_backend, load_kernel
+from .engine import DEFAULT_SEED, EngineResult, verify
+from .errors import UsageError
+from .failure import failure_lines, save_reproducer
+from .hypothesis_db import resolve_database
+from .profiles import Profile, get_profile
+
+DEFAULT_FIXTURES_DIR = Path("fixtures") / "regressions"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` of one backend's verification."""
+
+    index: int = 0
+    count: int = 1
+
+    def seed(self, seed: int | None) -> int | None:
+        """Disjoint seeds per shard; shard 0 keeps the given one (None: the engine's default)."""
+        if self.index == 0:
+            return seed
+        return (DEFAULT_SEED if seed is None else seed) + self.index
+
+    def profile(self, profile: Profile) -> tuple[Profile, int | None]:
+        """This shard's profile (corner cases on shard 0 only) and its number of drawn cases."""
+        if self.count == 1:
+            return profile, None
+        return (replace(profile, corner_cases=profile.corner_cases and self.index == 0),
+                math.ceil(profile.max_examples / self.count))
+
+    @property
+    def label(self) -> str:
+        return f"shard{self.index + 1}of{self.count}"
+
+
+def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile: str = "premerge",
+                   seed: int | None = None, shard: Shard = Shard(), hypothesis_db: str | None = None,
+                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR) -> EngineResult:
+    """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
+    when a case fails (its reproducer written to ``fixtures_dir``)."""
+    chosen, max_examples = shard.profile(get_profile(profile))
+    result = verify(backend, device, chosen, seed=shard.seed(seed), max_examples=max_examples,
+                    database=resolve_database(hypothesis_db))
+    if result.unavailable:
+        pytest.skip(result.unavailable)
+    if result.failure is not None:
+        case = result.failure
+        saved = save_reproducer(Path(fixtures_dir), case) if case.problem is not None else None
+        pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved))), pytrace=False)
+    assert result.cases, f"no case was run for {backend.name}"
+    return result
+
+
+def verify_kernel(kernel: str | Callable[..., Any], device: torch.device | str = "cpu", **options: Any) -> EngineResult:
+    """``verify_backend`` on a Contract-1 kernel: ``"module:attr"``, ``"path/to/file.py:attr"`` or the callable
+    itself (held to its declared ``mla_verify_envelope``, else trtllm-gen's)."""
+    try:
+        if isinstance(kernel, str):
+            backend = load_kernel(kernel)
+        else:
+            backend = kernel_backend(kernel, f"{getattr(kernel, '__module__', '?')}:"
+                                             f"{getattr(kernel, '__qualname__', type(kernel).__name__)}")
+    except UsageError as e:
+        pytest.fail(str(e), pytrace=False)
+    return verify_backend(backend, device, **options)
