@@ -51,6 +51,7 @@ class ErrorStats:
     worst: tuple[int, int, int, int]  # (batch, token, head, dim) of the largest |out - ref|
     lse_max_abs: float | None = None
     allowed_lse_abs: float | None = None
+    nonfinite: int = 0  # inf/NaN elements of out (left out of the errors above; any is a failure)
 
     @property
     def error_ratio(self) -> float:
@@ -106,7 +107,8 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     rel = err_norm / ref_norm
     worst = _unravel(int(worst_at), tuple(err.shape))
     cos_diff = 1 - 2 * xy / max(xx + yy, 1e-300)
-    stats = ErrorStats(max_abs, allowed_max, rel, allowed_rel, base_max, base_rel, cos_diff, worst)
+    stats = ErrorStats(max_abs, allowed_max, rel, allowed_rel, base_max, base_rel, cos_diff, worst,
+                       nonfinite=int(nonfinite))
     where = "batch {}, token {}, head {}, dim {}".format(*worst)
     if max_abs > allowed_max:
         failures.append(f"max |out - ref| = {max_abs:.3g} > allowed {allowed_max:.3g} "

@@ -138,9 +138,20 @@ def _short(c: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- SVG plots
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 FAIL_COLOR = "#d62728"
-W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 150, 30, 46
-RATIO_FLOOR = 1e-4  # error ratios below this (near-exact kernels) sit on the bottom edge
-RATIO_CEIL = 1e3  # above it (and non-finite output, recorded as null) on the top edge
+W, H, LEFT, RIGHT, TOP, BOTTOM = 640, 360, 64, 24, 30, 46
+LEGEND_LINE = 16
+CHAR_W = 6.5  # px per character of 11 px sans-serif, generously: legend names are never cut
+RATIO_FLOOR = 1e-4  # error ratios below this (near-exact kernels, exact zeros included) sit on the bottom edge
+RATIO_CEIL = 1e3  # above it on the top edge, as do failures with non-finite or no output
+# how a point is drawn, and what the legend says of it (only the marks a plot uses are listed)
+MARKS = {
+    "inside": "",
+    "above": f"error over {RATIO_CEIL:g}x what is allowed, drawn on the top edge",
+    "below": f"error under {RATIO_FLOOR:g} of what is allowed (exact 0 included: out equals the reference "
+             "after its bf16 rounding), drawn on the bottom edge",
+    "broken": "failed with NaN/inf in out, or no output at all, drawn on the top edge",
+    "other": "failed a check other than the error bound (bits, inputs, out buffer): its error is within it",
+}
 
 
 def _x_value(case: dict[str, Any], key: str) -> float:
@@ -148,16 +159,70 @@ def _x_value(case: dict[str, Any], key: str) -> float:
     return float(max(spec["seq_lens"]) if key == "max_seq" else spec["num_heads"])
 
 
-def _ratio(case: dict[str, Any]) -> float:
-    r = (case.get("stats") or {}).get("error_ratio")
-    return RATIO_CEIL if r is None else min(max(float(r), RATIO_FLOOR), RATIO_CEIL)
+def _error_ratio(case: dict[str, Any]) -> float | None:
+    """error / allowed as recorded; None when the case has no finite output to measure."""
+    stats = case.get("stats") or {}
+    r = stats.get("error_ratio")
+    return None if r is None or stats.get("nonfinite") else float(r)
+
+
+def _mark(case: dict[str, Any]) -> tuple[float, str]:
+    """Where a judged case is drawn (its ratio, clipped to the plot) and how (a MARKS key)."""
+    r = _error_ratio(case)
+    failed = case["verdict"] == "fail"
+    if r is None:
+        return RATIO_CEIL, "broken"
+    if failed and r <= 1:
+        return max(r, RATIO_FLOOR), "other"
+    if r > RATIO_CEIL:
+        return RATIO_CEIL, "above"
+    if r < RATIO_FLOOR:
+        return RATIO_FLOOR, "below"
+    return r, "inside"
+
+
+def _sort_key(case: dict[str, Any]) -> tuple[bool, bool, float]:
+    """Worst first when sorted in reverse: failures, then those without a finite output, then by ratio."""
+    r = _error_ratio(case)
+    return case["verdict"] == "fail", r is None, r or 0.0
+
+
+def _ratio_text(case: dict[str, Any]) -> str:
+    r = _error_ratio(case)
+    if r is not None:
+        return f"{r:.3g}"
+    return "non-finite" if (case.get("stats") or {}).get("nonfinite") else "no output"
+
+
+def _shape(kind: str, x: float, y: float, fill: str, extra: str) -> str:
+    """An SVG element (without its end) for one point: circle, triangles for clipped, cross, square."""
+    if kind == "inside":
+        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{fill}" fill-opacity="0.7"{extra}>'
+    if kind == "broken":
+        return (f'<path d="M{x - 4:.1f},{y - 4:.1f}L{x + 4:.1f},{y + 4:.1f}M{x - 4:.1f},{y + 4:.1f}'
+                f'L{x + 4:.1f},{y - 4:.1f}" stroke="{fill}" stroke-width="2.5"{extra}>')
+    if kind == "other":
+        return f'<rect x="{x - 3.5:.1f}" y="{y - 3.5:.1f}" width="7" height="7" fill="{fill}" fill-opacity="0.7"{extra}>'
+    tip = -5 if kind == "above" else 5  # a triangle pointing off the plot, to where the value lies
+    return (f'<path d="M{x:.1f},{y + tip:.1f}L{x + 4.5:.1f},{y - tip * 0.6:.1f}L{x - 4.5:.1f},{y - tip * 0.6:.1f}Z" '
+            f'fill="{fill}" fill-opacity="0.8"{extra}>')
+
+
+def _end(element: str) -> str:
+    return "</" + element[1:element.index(" ")] + ">"
 
 
 def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
-    """Error ratio (error / allowed; < 1 passes) against sequence length or heads, one colour per backend."""
+    """Error ratio (error / allowed; < 1 passes) against sequence length or heads, one colour per backend,
+    failing cases outlined red; clipped, non-finite and other-check failures marked (MARKS)."""
     _, x_label, key = PLOTS[which]
     points = [c for c in cases if c.get("stats") is not None or c["verdict"] == "fail"]
     backends = list(dict.fromkeys(c["backend"] for c in cases))
+    marks = {c["id"]: _mark(c) for c in points}
+    used = [k for k in MARKS if k != "inside" and any(m == k for _, m in marks.values())]
+    legend = [(b, "") for b in backends] + [("", k) for k in used]
+    width = max(W, int(LEFT + 30 + CHAR_W * max((len(b or MARKS[k]) for b, k in legend), default=0)))
+    height = H + LEGEND_LINE * len(legend) + (LEGEND_LINE if points else 0)
     xs = [_x_value(c, key) for c in points] or [1.0]
     x_lo, x_hi = math.log10(min(xs)), math.log10(max(xs))
     pad = max(0.05 * (x_hi - x_lo), 0.2)  # keep edge points off the frame
@@ -171,7 +236,7 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
     def py(v: float) -> float:
         return TOP + ph * (1 - (math.log10(v) - y_lo) / (y_hi - y_lo))
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
            'font-family="sans-serif" font-size="11">',
            f'<text x="{LEFT}" y="18" font-size="13">Error / allowed vs {escape(x_label)}</text>',
            f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>']
@@ -181,8 +246,9 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
                    f'<text x="{x:.1f}" y="{TOP + ph + 14}" text-anchor="middle">{10 ** e:g}</text>')
     for e in range(int(y_lo), int(y_hi) + 1):
         y = py(10.0 ** e)
+        label = ("&lt;" if e == y_lo else "&gt;" if e == y_hi else "") + f"{10.0 ** e:g}"  # the edges hold the rest
         out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + pw}" y2="{y:.1f}" stroke="#e5e5e5"/>'
-                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
     y1 = py(1.0)
     out.append(f'<line x1="{LEFT}" y1="{y1:.1f}" x2="{LEFT + pw}" y2="{y1:.1f}" stroke="{FAIL_COLOR}" '
                f'stroke-dasharray="5,3"/><text x="{LEFT + pw - 4}" y="{y1 - 4:.1f}" text-anchor="end" '
@@ -192,15 +258,25 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
                f'transform="rotate(-90 14 {TOP + ph / 2})">error / allowed (log scale)</text>')
     for c in points:
         color = COLORS[backends.index(c["backend"]) % len(COLORS)]
-        stroke = f' stroke="{FAIL_COLOR}" stroke-width="2"' if c["verdict"] == "fail" else ""
-        out.append(f'<circle cx="{px(_x_value(c, key)):.1f}" cy="{py(_ratio(c)):.1f}" r="3" fill="{color}" '
-                   f'fill-opacity="0.7"{stroke}><title>{escape(c["backend"])} {c["id"]} {c["verdict"]}: '
-                   f'{escape(_short(c))}</title></circle>')
-    for i, b in enumerate(backends):
-        y = TOP + 8 + 16 * i
-        out.append(f'<circle cx="{W - RIGHT + 14}" cy="{y}" r="4" fill="{COLORS[i % len(COLORS)]}"/>'
-                   f'<text x="{W - RIGHT + 22}" y="{y + 4}">{escape(b)}</text>')
-    if not points:
+        y, kind = marks[c["id"]]
+        failed = c["verdict"] == "fail"
+        fill = FAIL_COLOR if kind == "broken" else color
+        ring = f' stroke="{FAIL_COLOR}" stroke-width="2"' if failed and kind != "broken" else ""
+        element = _shape(kind, px(_x_value(c, key)), py(y), fill, ring)
+        note = f" ({MARKS[kind].split(',')[0]})" if kind != "inside" else ""
+        out.append(f'{element}<title>{escape(c["backend"])} {c["id"]} {c["verdict"]}: error/allowed '
+                   f'{_ratio_text(c)}{escape(note)}; {escape(_short(c))}</title>{_end(element)}')
+    ly = H + 4
+    for i, (b, k) in enumerate(legend):
+        y = ly + LEGEND_LINE * i
+        sample = (f'<circle cx="{LEFT + 6}" cy="{y}" r="4" fill="{COLORS[i % len(COLORS)]}"/>' if b else
+                  _shape(k, LEFT + 6, y, FAIL_COLOR if k == "broken" else "#888", "")[:-1] + "/>")
+        out.append(f'{sample}<text x="{LEFT + 18}" y="{y + 4}">{escape(b or MARKS[k])}</text>')
+    if points:
+        y = ly + LEGEND_LINE * len(legend)
+        out.append(f'<circle cx="{LEFT + 6}" cy="{y}" r="4" fill="none" stroke="{FAIL_COLOR}" stroke-width="2"/>'
+                   f'<text x="{LEFT + 18}" y="{y + 4}">red outline: a failing case</text>')
+    else:
         out.append(f'<text x="{LEFT + pw / 2}" y="{TOP + ph / 2}" text-anchor="middle">no judged cases</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -208,11 +284,29 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
 
 # ---------------------------------------------------------------- Markdown / HTML
 Block = tuple  # ("h", level, text) | ("p", text) | ("pre", text) | ("table", headers, rows) | ("img", key, alt)
+#              | ("banner", verdict, text)
+BANNER_COLORS = {"FAIL": ("#fde2e1", FAIL_COLOR), "PASS": ("#e3f4e1", "#2ca02c"), "NOTHING RAN": ("#eeeeee", "#777")}
+
+
+def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
+    """The run's verdict at a glance -- FAIL, PASS or NOTHING RAN -- and one line on why."""
+    backends = report.get("backends", [])
+    failed = [b for b in backends if b["verdict"] == "fail"]
+    passed = [b for b in backends if b["verdict"] == "pass"]
+    skipped = len(backends) - len(failed) - len(passed)
+    selfcheck = report.get("selfcheck") or ""
+    parts = [f"{len(failed)} of {len(backends)} backends failed"] if failed else []
+    parts += [f"{b['name']}: {(b.get('failure') or {}).get('failures', ['failed'])[0]}" for b in failed]
+    parts += [f"{len(passed)} passed"] + ([f"{skipped} could not run here"] if skipped else [])
+    if selfcheck.startswith("FAILED"):
+        parts.insert(0, f"the reference self-check {selfcheck}")
+    verdict = "FAIL" if failed or selfcheck.startswith("FAILED") else "PASS" if passed else "NOTHING RAN"
+    return verdict, "; ".join(parts)
 
 
 def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str, str]) -> list[Block]:
     cases = report["cases"]
-    blocks: list[Block] = [("h", 1, "mla-verify report")]
+    blocks: list[Block] = [("h", 1, "mla-verify report"), ("banner", *verdict_banner(report))]
     run = report.get("run", {})
     blocks.append(("p", " · ".join(f"{k}: {v}" for k, v in run.items() if v is not None)))
     if report.get("platform"):
@@ -224,11 +318,11 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
     for b in report.get("backends", []):
         mine = [c for c in cases if c["backend"] == b["name"]]
         count = count_verdicts(c["verdict"] for c in mine)
-        worst = max((_ratio(c) for c in mine if c.get("stats")), default=None)
+        judged = [c for c in mine if c.get("stats") or c["verdict"] == "fail"]
+        worst = _ratio_text(max(judged, key=_sort_key)) if judged else ""
         rows.append([b["name"], b["verdict"] + (" (time limit reached)" if b.get("timed_out") else ""),
                      str(len(mine)), str(count["pass"]), str(count["fail"]), str(count["skip"]),
-                     "" if worst is None else f"{worst:.3g}", f"{b.get('seconds', 0):.1f}",
-                     b.get("unavailable") or ""])
+                     worst, f"{b.get('seconds', 0):.1f}", b.get("unavailable") or ""])
     blocks.append(("table", ["backend", "verdict", "cases", "pass", "fail", "skip", "worst error/allowed",
                              "seconds", "not run because"], rows))
     for b in report.get("backends", []):
@@ -237,20 +331,22 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
             continue
         blocks.append(("h", 2, f"Failure: {b['name']}"))
         lines = [f"minimal case: {failure['case']}"] + [f"  - {f}" for f in failure.get("failures", [])]
-        lines += [f"diagnosis: {d}" for d in failure.get("diagnosis", [])] or ["diagnosis: none of the known "
-                                                                              "misreadings explains it"]
+        lines += [f"diagnosis: {d}" for d in failure.get("diagnosis", [])]  # none: no output to diagnose
         if failure.get("fixture"):
             lines += [f"reproducer: {failure['fixture']}", f"re-run: mla-verify replay {failure['fixture']}"]
         blocks.append(("pre", "\n".join(lines)))
     blocks.append(("h", 2, "Error against sequence length and head count"))
     blocks.append(("p", "Each point is one judged case: its error divided by what the tolerance model allows "
-                        "(below 1 passes). Failing cases have a red ring."))
+                        "(below 1 passes). Failing cases are outlined red; a failure with NaN/inf or no output "
+                        f"is a red cross on the top edge. Errors past {RATIO_CEIL:g}x are triangles on the top "
+                        f"edge; errors under {RATIO_FLOOR:g} of what is allowed, exact zeros included (the output "
+                        "equals the reference after its bf16 rounding), are triangles on the bottom edge."))
     for k in PLOTS:
         blocks.append(("img", plot_names[k], svgs[k]))
-    judged = sorted((c for c in cases if c.get("stats") or c["verdict"] == "fail"), key=_ratio, reverse=True)
+    judged = sorted((c for c in cases if c.get("stats") or c["verdict"] == "fail"), key=_sort_key, reverse=True)
     blocks.append(("h", 2, f"Worst {min(WORST_SHOWN, len(judged))} of {len(cases)} cases"))
     blocks.append(("table", ["id", "backend", "verdict", "error/allowed", "case", "reason"],
-                   [[c["id"], c["backend"], c["verdict"], f"{_ratio(c):.3g}", _short(c), c.get("reason", "")]
+                   [[c["id"], c["backend"], c["verdict"], _ratio_text(c), _short(c), c.get("reason", "")]
                     for c in judged[:WORST_SHOWN]]))
     return blocks
 
@@ -266,6 +362,8 @@ def to_markdown(blocks: Iterable[Block]) -> str:
             out.append("```\n" + b[1] + "\n```")
         elif b[0] == "img":
             out.append(f"![{b[1]}]({b[1]})")
+        elif b[0] == "banner":
+            out.append(f"> **{b[1]}** -- {b[2]}")
         else:
             cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
             out.append("\n".join(["| " + " | ".join(map(cell, b[1])) + " |", "|" + "---|" * len(b[1])]
@@ -287,6 +385,10 @@ def to_html(blocks: Iterable[Block]) -> str:
             out.append(f"<pre>{escape(b[1])}</pre>")
         elif b[0] == "img":
             out.append(f"<figure>{b[2]}</figure>")
+        elif b[0] == "banner":
+            background, edge = BANNER_COLORS[b[1]]
+            out.append(f'<div style="background:{background};border-left:6px solid {edge};padding:8px;'
+                       f'font-size:15px"><b>{escape(b[1])}</b> -- {escape(b[2])}</div>')
         else:
             head = "".join(f"<th>{escape(h)}</th>" for h in b[1])
             body = "".join("<tr>" + "".join(f"<td>{escape(str(x))}</td>" for x in r) + "</tr>" for r in b[2])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -13,7 +14,7 @@ from mla_verify.generate import ProblemSpec
 from mla_verify.harness import CaseResult
 from mla_verify.layouts import LayoutSpec
 from mla_verify.report import (build_report, check_report_path, load_report, output_paths, render,
-                               scatter_svg, write_report)
+                               scatter_svg, to_markdown, verdict_banner, write_report)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -131,3 +132,72 @@ def test_load_report_errors(tmp_path):
     (tmp_path / "o.json").write_text('{"cases": []}')
     with pytest.raises(UsageError, match="not an mla-verify report"):
         load_report(tmp_path / "o.json")
+
+
+# ---------------------------------------------------------------- read at a glance
+LONG_NAME = "kernels/mykernels.py:bug_causal_mask_offset_by_one"
+
+
+def _glance_cases() -> list[dict]:
+    """A NaN failure whose finite part is tiny, a clipped failure, an exact pass, a pass, a long backend name."""
+    nan_fail = _case(LONG_NAME, 64, 8, 0.01, "fail")
+    nan_fail.stats.nonfinite = 512
+    cases = [nan_fail, _case(LONG_NAME, 128, 8, 5e4, "fail"), _case(LONG_NAME, 32, 4, 0.0),
+             _case(LONG_NAME, 16, 2, 0.3)]
+    return [c.to_json() for c in cases]
+
+
+def _points(svg_text: str) -> dict[str, ET.Element]:
+    """Plotted cases (elements with a <title>) by their id."""
+    svg = ET.fromstring(svg_text)
+    return {e.find(SVG + "title").text.split()[1]: e for e in svg.iter() if e.find(SVG + "title") is not None}
+
+
+def _y(element: ET.Element) -> float:
+    if element.tag == SVG + "circle":
+        return float(element.get("cy"))
+    return sum(float(v) for v in re.findall(r",(-?[\d.]+)", element.get("d"))) / len(re.findall(",", element.get("d")))
+
+
+def test_nonfinite_and_clipped_failures_sit_on_the_top_edge_marked():
+    cases = _glance_cases()
+    svg = scatter_svg(cases, "seq")
+    points = _points(svg)
+    nan_fail, clipped, exact, plain = (points[c["id"]] for c in cases)
+    allowed_line = float(re.search(r'<line x1="\d+" y1="([\d.]+)"[^>]*stroke-dasharray', svg).group(1))
+    assert _y(nan_fail) < allowed_line and _y(clipped) < allowed_line  # above the line: failures look failed
+    assert nan_fail.tag == SVG + "path" and "non-finite" in nan_fail.find(SVG + "title").text
+    assert clipped.tag == SVG + "path" and "5e+04" in clipped.find(SVG + "title").text
+    assert _y(exact) > _y(plain) > allowed_line  # the exact pass on the bottom edge, marked as a floor
+    assert exact.tag == SVG + "path" and "exact 0 included" in svg
+    legend = [t.text for t in ET.fromstring(svg).iter(SVG + "text")]
+    assert LONG_NAME in legend  # the whole name, however long
+
+
+def test_worst_cases_table_says_nonfinite_not_a_small_ratio(tmp_path):
+    rep = _report()
+    rep["cases"] += _glance_cases()
+    md = to_markdown(_document_blocks(rep, tmp_path))
+    assert "| fail | non-finite |" in md
+
+
+def _document_blocks(report, tmp_path):
+    from mla_verify.report import _document
+    return _document(report, {"seq": "s.svg", "heads": "h.svg"}, {"seq": "", "heads": ""})
+
+
+@pytest.mark.parametrize("change, verdict, words", [
+    (lambda r: None, "FAIL", "1 of 3 backends failed; mutant: max |out - ref| too large; 1 passed; "
+     "1 could not run here"),
+    (lambda r: r["backends"].pop(1), "PASS", "1 passed; 1 could not run here"),
+    (lambda r: [r["backends"].pop(0), r["backends"].pop(0)], "NOTHING RAN", "0 passed; 1 could not run here"),
+])
+def test_a_verdict_banner_heads_the_report(tmp_path, change, verdict, words):
+    rep = _report()
+    change(rep)
+    assert verdict_banner(rep) == (verdict, words)
+    path = tmp_path / "r.json"
+    write_report(path, rep)
+    md = output_paths(path)["md"].read_text().splitlines()
+    assert md[2] == f"> **{verdict}** -- {words}"  # right under the title
+    assert f"<b>{verdict}</b> -- " in output_paths(path)["html"].read_text()
