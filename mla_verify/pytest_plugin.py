@@ -50,6 +50,11 @@ class MLAOptions:
     shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
     fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
 
+    def verify_options(self, device: torch.device, shard: Shard) -> dict[str, Any]:
+        """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run."""
+        return dict(device=device, profile=self.profile, seed=self.seed, shard=shard,
+                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir)
+
 
 # name, metavar, help; "backend" is the one repeatable option (an ini linelist, a comma list in the env)
 _OPTION_HELP = (
@@ -177,16 +182,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("mla_shard", shards, ids=[s.label for s in shards])
 
 
-def _bound(options: MLAOptions, device: torch.device, shard: Shard) -> dict[str, Any]:
-    return dict(device=device, profile=options.profile, seed=options.seed, shard=shard,
-                hypothesis_db=options.hypothesis_db, fixtures_dir=options.fixtures_dir)
-
-
 @pytest.fixture
 def mla_verify_kernel(mla_options: MLAOptions, mla_device: torch.device, mla_shard: Shard) -> Callable[..., Any]:
     """``pytest_helpers.verify_kernel`` with this run's profile, seed, device, shard and reproducer directory:
     ``def test_decode(mla_verify_kernel): mla_verify_kernel("mykernels:decode")``."""
-    return partial(verify_kernel, **_bound(mla_options, mla_device, mla_shard))
+    return partial(verify_kernel, **mla_options.verify_options(mla_device, mla_shard))
 
 
 class KernelItem(pytest.Item):
@@ -202,7 +202,7 @@ class KernelItem(pytest.Item):
     def runtest(self) -> None:
         options = self.config.stash[_OPTIONS_KEY]
         device = torch.device(worker_assignment(self.config).run_device)
-        verify_backend(load_kernel(options.kernel, "--mla-kernel"), **_bound(options, device, self.shard))
+        verify_backend(load_kernel(options.kernel, "--mla-kernel"), **options.verify_options(device, self.shard))
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return Path(__file__), None, self.name

@@ -199,7 +199,8 @@ def test_fp8_problems_are_diagnosed():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fp8 lacks roll and indexing there)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: this diagnoses fp8 problems on one, "
+                    "where fp8 tensors lack roll and indexing")
 def test_fp8_problems_are_diagnosed_on_cuda():
     _check_fp8_diagnosis(_fp8_problem("cuda"))
 

@@ -19,5 +19,4 @@ def test_backend(name, mla_options, mla_device, mla_shard):
         pytest.skip(f"{name} not selected (--mla-backend {' '.join(chosen)})")
     if not chosen and mla_options.kernel:
         pytest.skip("only --mla-kernel selected")
-    verify_backend(all_backends()[name], mla_device, mla_options.profile, mla_options.seed, mla_shard,
-                   mla_options.hypothesis_db, mla_options.fixtures_dir)
+    verify_backend(all_backends()[name], **mla_options.verify_options(mla_device, mla_shard))
