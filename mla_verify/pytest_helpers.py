@@ -66,6 +66,8 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
     chosen, max_examples = shard.profile(get_profile(profile))
     result = verify(backend, device, chosen, seed=shard.seed(seed), max_examples=max_examples,
                     database=resolve_database(hypothesis_db))
+    if result.interrupted:  # the engine stopped at Ctrl-C with what it had: pytest must stop too
+        raise KeyboardInterrupt
     if result.unavailable:
         pytest.skip(result.unavailable)
     if result.failure is not None:

@@ -285,11 +285,13 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
 # ---------------------------------------------------------------- Markdown / HTML
 Block = tuple  # ("h", level, text) | ("p", text) | ("pre", text) | ("table", headers, rows) | ("img", key, alt)
 #              | ("banner", verdict, text)
-BANNER_COLORS = {"FAIL": ("#fde2e1", FAIL_COLOR), "PASS": ("#e3f4e1", "#2ca02c"), "NOTHING RAN": ("#eeeeee", "#777")}
+BANNER_COLORS = {"FAIL": ("#fde2e1", FAIL_COLOR), "PASS": ("#e3f4e1", "#2ca02c"),
+                 "INTERRUPTED": ("#fff3d6", "#ff7f0e"), "NOTHING RAN": ("#eeeeee", "#777")}
 
 
 def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
-    """The run's verdict at a glance -- FAIL, PASS or NOTHING RAN -- and one line on why."""
+    """The run's verdict at a glance -- FAIL, PASS, INTERRUPTED (Ctrl-C before any failure: a partial run
+    proves nothing) or NOTHING RAN -- and one line on why."""
     backends = report.get("backends", [])
     failed = [b for b in backends if b["verdict"] == "fail"]
     passed = [b for b in backends if b["verdict"] == "pass"]
@@ -300,7 +302,11 @@ def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
     parts += [f"{len(passed)} passed"] + ([f"{skipped} could not run here"] if skipped else [])
     if selfcheck.startswith("FAILED"):
         parts.insert(0, f"the reference self-check {selfcheck}")
-    verdict = "FAIL" if failed or selfcheck.startswith("FAILED") else "PASS" if passed else "NOTHING RAN"
+    interrupted = bool((report.get("run") or {}).get("interrupted"))
+    if interrupted:
+        parts.append("interrupted: only the cases judged until then")
+    verdict = ("FAIL" if failed or selfcheck.startswith("FAILED") else "INTERRUPTED" if interrupted
+               else "PASS" if passed else "NOTHING RAN")
     return verdict, "; ".join(parts)
 
 

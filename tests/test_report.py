@@ -191,6 +191,8 @@ def _document_blocks(report, tmp_path):
      "1 could not run here"),
     (lambda r: r["backends"].pop(1), "PASS", "1 passed; 1 could not run here"),
     (lambda r: [r["backends"].pop(0), r["backends"].pop(0)], "NOTHING RAN", "0 passed; 1 could not run here"),
+    (lambda r: [r["backends"].pop(1), r["run"].update(interrupted=True)], "INTERRUPTED",
+     "1 passed; 1 could not run here; interrupted: only the cases judged until then"),
 ])
 def test_a_verdict_banner_heads_the_report(tmp_path, change, verdict, words):
     rep = _report()

@@ -109,6 +109,8 @@ def test_loading_errors_are_one_line_usage_errors(kernels: str, target: str, com
     ({"lse": "yes"}, "'lse' must be"),
     ({"max_heads": True}, "'max_heads' must be"),
     ({"lse_base": 1}, "'lse_base' must be"),
+    ({"dims_by_dtype": [["fp4", [[512, 64]]]]}, "'dims_by_dtype' must be"),
+    ({"dims_by_dtype": [["fp8", [512, 64]]]}, "'dims_by_dtype' must be"),
 ])
 def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
     with pytest.raises(UsageError, match=complaint):
@@ -118,6 +120,8 @@ def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
 def test_every_envelope_field_can_be_declared() -> None:
     assert set(_FIELDS) == {f.name for f in dataclasses.fields(Envelope)}
     assert envelope_from_overrides({}) == TRTLLM_ENVELOPE
+    declared = envelope_from_overrides({"dims": [[512, 64], [256, 64]], "dims_by_dtype": [["fp8", [[512, 64]]]]})
+    assert declared.dims_for("fp8") == ((512, 64),) and declared.dims_for("bf16") == ((512, 64), (256, 64))
 
 
 # ---------------------------------------------------------------- where a kernel is found

@@ -51,6 +51,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "archs": (lambda v: v is None or _pairs(v), "null or a list of [major, minor] pairs"),
     "page_sizes": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
     "dims": (_pairs, "a list of [kv_lora_rank, qk_rope_head_dim] pairs"),
+    "dims_by_dtype": (lambda v: isinstance(v, (list, tuple)) and all(
+        isinstance(x, (list, tuple)) and len(x) == 2 and x[0] in DTYPES and _pairs(x[1]) for x in v),
+        'a list of [dtype, [[kv_lora_rank, qk_rope_head_dim], ...]] pairs, e.g. [["fp8", [[512, 64]]]]'),
     "heads": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
     "max_heads": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "dtypes": (_among(tuple(DTYPES)), f"a non-empty list of {sorted(DTYPES)}"),
