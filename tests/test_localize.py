@@ -126,6 +126,16 @@ def test_long_sequences_are_searched_in_chunks(monkeypatch):
         WHERE + f"keys: KV positions >= {cap} are ignored (searched in steps of 8 positions) --")
 
 
+def test_positions_past_32768_ignored_in_a_long_sequence():
+    """A position index wrapping at 2^15: what a kernel attending to positions < 32768 only returns (for one
+    query token, the reference of the sequence cut there)."""
+    wrap = 1 << 15
+    p = build_problem(ProblemSpec((wrap + 7232,), num_heads=1, **SMALL))
+    out = reference_decode(replace(p, seq_lens=torch.tensor([wrap], dtype=torch.int32))).out.to(torch.bfloat16)
+    assert _line(localize(p, out, reference_decode(p)), "keys:").startswith(
+        WHERE + f"keys: KV positions >= {wrap} are ignored (searched in steps of ")
+
+
 def test_a_causal_limit_one_too_far_is_found():
     # short sequences: one key more moves every row it reaches past its tolerance
     p = build_problem(ProblemSpec((8, 12), q_len=4, num_heads=2, **SMALL))
