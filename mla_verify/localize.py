@@ -11,8 +11,9 @@ Three questions, each answered by the simplest rule that fits:
    each sequence cut into chunks, every chunk a request of its own over a page-size-1 view of the cache;
    merging chunk results by their LSE then gives the reference with any set of chunks masked, so whole
    families of rules are tried at once: positions >= X ignored, positions < X ignored, the causal limit off
-   by d, one key (or one chunk) missing. A rule is reported when its masked reference matches the kernel as
-   diagnose.py demands of a misreading (``OUT_TOL``, ``TRUTH_MARGIN``).
+   by d, a sliding window's start off by d or the window ignored, one key (or one chunk) missing. A rule is
+   reported when its masked reference matches the kernel as diagnose.py demands of a misreading (``OUT_TOL``,
+   ``TRUTH_MARGIN``).
 3. Where non-finite values come from. +inf is what ``out`` was filled with before the call: elements never
    written. NaN is told apart by re-running the kernel with finite values in every cache slot that held NaN
    (the slots no sequence owns): NaN that vanish were read from those slots; NaN that stay are the kernel's
@@ -191,28 +192,32 @@ def _key_rule(p: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, wrong
     lens = p.seq_lens.tolist()
     longest = max(lens[b] for b, _, _ in picks)
     step = 1 << max(0, math.ceil(math.log2(max(1, longest) / MAX_CHUNKS)))  # chunk length: a power of two
-    bounds = []
+    bounds, seen = [], []
     for b, t, _ in picks:
         n, visible = lens[b], lens[b] - Q + t + 1
-        near = range(max(1, visible - 2 * Q - 1), min(n, visible + Q) + 1)  # the causal limit, finely
-        bounds.append(sorted({0, n, *range(step, n, step), *near}))
+        first = 0 if p.window_left is None else max(0, visible - 1 - p.window_left)  # the window's start
+        near = [*range(visible - 2 * Q - 1, visible + Q + 1), *range(first - 2, first + 3)]  # both ends, finely
+        bounds.append(sorted({0, n, *range(step, n, step), *(x for x in near if 0 < x < n)}))
+        seen.append((first, visible))
     chunks = _chunk_partials(p, picks, bounds)
     table: dict[tuple, list[float]] = {}
     truth_errors = []
-    for (b, t, heads), bnd, (o, l) in zip(picks, bounds, chunks):
+    for (b, t, heads), bnd, (first, visible), (o, l) in zip(picks, bounds, seen, chunks):
         got = out[b, t, heads].detach().to(torch.float64).to(o.device)
         want = truth.out[b, t, heads].to(torch.float64).to(o.device)
-        visible = lens[b] - Q + t + 1
-        agree = _rel(torch.stack([_merge(o, l, 0, bnd.index(visible))]), want)[0]
+        agree = _rel(torch.stack([_merge(o, l, bnd.index(first), bnd.index(visible))]), want)[0]
         if not agree < 1e-3:  # the chunked re-run must be the reference itself (fp32 against fp64: ~1e-6)
             return WHERE + f"keys: not searched (the chunked reference is {agree:.2g} off the reference)"
         truth_errors.append(_rel(want[None], got)[0])
-        for rule, error in _rules(o, l, bnd, visible, got):
+        for rule, error in _rules(o, l, bnd, first, visible, got):
             table.setdefault(rule, []).append(error)
-    scored = sorted((max(e), i, rule) for i, (rule, e) in enumerate(table.items()) if len(e) == len(picks))
+    scored = [(max(e), i, rule) for i, (rule, e) in enumerate(table.items()) if len(e) == len(picks)]  # i: order tried
     if not scored:
         return WHERE + "keys: no rule of the key search applies to every re-run row"
-    error, _, rule = scored[0]
+    # rules that mask the same keys (the window one late = its first key missing) differ by rounding only:
+    # within 1% of the best, the first family tried (the simplest) names it
+    best = min(e for e, _, _ in scored)
+    _, error, rule = min((i, e, r) for e, i, r in scored if e <= 1.01 * best)
     tol = OUT_TOL["fp8" if dtype == "fp8" else "other"]
     worst_truth = min(truth_errors)
     what = _rule_text(rule, p.page_size, step)
@@ -267,42 +272,48 @@ def _chunk_partials(p: DecodeProblem, picks: list[tuple[int, int, list[int]]],
     return list(zip(o.split(sizes), l.split(sizes)))
 
 
-def _merge(o: torch.Tensor, l: torch.Tensor, start: int, stop: int, drop: int | None = None) -> torch.Tensor:
-    """The reference over chunks start..stop-1 (without chunk ``drop``) from their partial results."""
-    keep = torch.zeros(o.shape[0], dtype=torch.bool, device=o.device)
-    keep[start:stop] = True
-    if drop is not None:
-        keep[drop] = False
-    w = torch.where(keep[:, None], torch.exp(l - l[keep].amax(0)), 0.0)  # [C, heads]
-    return (w[..., None] * o).sum(0) / w.sum(0)[:, None]
+def _merge(o: torch.Tensor, l: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The reference over chunks start..stop-1 from their partial results: their outputs weighted by their
+    share of the softmax sum, exp(lse - max lse)."""
+    w = torch.exp(l[start:stop] - l[start:stop].amax(0))  # [chunks, heads]
+    return (w[..., None] * o[start:stop]).sum(0) / w.sum(0)[:, None]
 
 
-def _rules(o: torch.Tensor, l: torch.Tensor, bnd: list[int], visible: int,
+def _rules(o: torch.Tensor, l: torch.Tensor, bnd: list[int], first: int, visible: int,
            got: torch.Tensor) -> list[tuple[tuple, float]]:
-    """(rule, rel L2 of ``got`` against the reference masked by it) for every rule one row can test: keys from
-    X on ignored, keys before X ignored, the causal limit moved by d, one chunk dropped. Prefix and suffix
-    sums make each family one pass."""
+    """(rule, rel L2 of ``got`` against the reference masked by it) for every rule one row can test, the row
+    seeing positions [first, visible): keys from X on ignored, keys before X ignored, the causal limit moved by
+    d, the sliding window's start moved by d or the window ignored, one chunk dropped. Prefix sums make each
+    family one pass."""
     w = torch.exp(l - l.amax(0))  # [C, heads]
     acc = torch.cat([torch.zeros_like(o[:1]), (w[..., None] * o).cumsum(0)])  # acc[k]: chunks < k
     tot = torch.cat([torch.zeros_like(w[:1]), w.cumsum(0)])
-    k_vis = bnd.index(visible)
-    ks = torch.arange(1, len(bnd), device=o.device)
-    prefix = _rel(acc[ks] / tot[ks][..., None], got)  # keep [0, bnd[k])
+    k0, kv = bnd.index(first), bnd.index(visible)
+
+    def kept(start: torch.Tensor | int, stop: torch.Tensor | int) -> list[float]:
+        """Keeping chunks start..stop-1 (either may be a tensor of indices)."""
+        return _rel((acc[stop] - acc[start]) / (tot[stop] - tot[start])[..., None], got)
+
     rules: list[tuple[tuple, float]] = []
-    for k, e in zip(ks.tolist(), prefix):
-        if k < k_vis:
+    ends = list(range(k0 + 1, len(bnd)))
+    for k, e in zip(ends, kept(k0, torch.tensor(ends, device=o.device))):  # keep [first, bnd[k])
+        if k < kv:
             rules.append((("below", bnd[k]), e))
-        if k != k_vis:
+        if k != kv:
             rules.append((("limit", bnd[k] - visible), e))
-    inner = torch.arange(1, k_vis, device=o.device)
-    suffix = _rel((acc[k_vis] - acc[inner]) / (tot[k_vis] - tot[inner])[..., None], got)  # keep [bnd[k], vis)
-    rules += [(("from", bnd[k]), e) for k, e in zip(inner.tolist(), suffix)]
-    if k_vis > 1:
-        cs = torch.arange(k_vis, device=o.device)
-        dropped = (acc[k_vis] - w[cs, :, None] * o[cs]) / (tot[k_vis] - w[cs])[..., None]
-        rules += [(("drop", bnd[c], bnd[c + 1]), e) for c, e in zip(cs.tolist(), _rel(dropped, got))]
-        rules += [(("drop_rel", visible - bnd[c + 1]), e) for c, e in zip(cs.tolist(), _rel(dropped, got))
-                  if bnd[c + 1] - bnd[c] == 1]
+    starts = list(range(kv))
+    for k, e in zip(starts, kept(torch.tensor(starts, device=o.device), kv)):  # keep [bnd[k], visible)
+        if k > k0:
+            rules.append((("from", bnd[k]), e))
+        if first > 0 and k != k0:  # a sliding window cuts this row
+            rules.append((("no_window",), e) if k == 0 else (("window", bnd[k] - first), e))
+    if kv - k0 > 1:
+        cs = torch.arange(k0, kv, device=o.device)
+        dropped = _rel((acc[kv] - acc[k0] - w[cs, :, None] * o[cs]) / (tot[kv] - tot[k0] - w[cs])[..., None], got)
+        for c, e in zip(cs.tolist(), dropped):
+            rules.append((("drop", bnd[c], bnd[c + 1]), e))
+            if bnd[c + 1] - bnd[c] == 1:
+                rules.append((("drop_rel", visible - bnd[c + 1]), e))
     return rules
 
 
@@ -324,6 +335,13 @@ def _rule_text(rule: tuple, page: int, step: int) -> str:
         own = " (its own position is missing)" if d == -1 else ""
         return (f"the causal limit is off by {d:+d}: query token t sees the positions up to seq_len - q_len + t "
                 f"{'+' if d > 0 else '-'} {abs(d)}{own}")
+    if kind == "no_window":
+        return "the sliding window is ignored: each query token sees every position up to its own"
+    if kind == "window":
+        d = rule[1]
+        return (f"the sliding window starts {abs(d)} position{'s' if abs(d) > 1 else ''} "
+                f"{'late' if d > 0 else 'early'}: query token t sees from seq_len - q_len + t - window_left "
+                f"{'+' if d > 0 else '-'} {abs(d)}")
     if kind == "drop_rel":
         j = rule[1]
         return ("one key missing from each row: the query token's own position" if j == 0 else
@@ -345,7 +363,8 @@ def _nonfinite(p: DecodeProblem, out: torch.Tensor, rerun: Rerun | None) -> list
                      "call, so these elements were never written")
     nan_rows = torch.isnan(out).any(-1)
     if bool(nan_rows.any()):
-        lines.append(WHERE + f"NaN in {_region(wide, nan_rows) or _listing(nan_rows)}: " + _nan_cause(p, rerun, nan_rows))
+        lines.append(WHERE + f"NaN in {_region(wide, nan_rows) or _listing(nan_rows)}: "
+                     + _nan_cause(p, rerun, nan_rows))
     return lines
 
 

@@ -202,7 +202,8 @@ def _shape(kind: str, x: float, y: float, fill: str, extra: str) -> str:
         return (f'<path d="M{x - 4:.1f},{y - 4:.1f}L{x + 4:.1f},{y + 4:.1f}M{x - 4:.1f},{y + 4:.1f}'
                 f'L{x + 4:.1f},{y - 4:.1f}" stroke="{fill}" stroke-width="2.5"{extra}>')
     if kind == "other":
-        return f'<rect x="{x - 3.5:.1f}" y="{y - 3.5:.1f}" width="7" height="7" fill="{fill}" fill-opacity="0.7"{extra}>'
+        return (f'<rect x="{x - 3.5:.1f}" y="{y - 3.5:.1f}" width="7" height="7" fill="{fill}" '
+                f'fill-opacity="0.7"{extra}>')
     tip = -5 if kind == "above" else 5  # a triangle pointing off the plot, to where the value lies
     return (f'<path d="M{x:.1f},{y + tip:.1f}L{x + 4.5:.1f},{y - tip * 0.6:.1f}L{x - 4.5:.1f},{y - tip * 0.6:.1f}Z" '
             f'fill="{fill}" fill-opacity="0.8"{extra}>')

@@ -78,8 +78,9 @@ def test_a_fault_in_heads_64_and_up_is_localized_to_them():
 @pytest.mark.parametrize("corrupt, wrong, right", [
     (lambda p, o: o[:, 1:].mul_(1.5), "query tokens after the first", "query token 0"),
     (lambda p, o: o[:, :, 2].neg_(), "head 2", "heads 0-1, 3"),
-    (lambda p, o: o.mul_(1 + (p.seq_lens >= 60).view(-1, 1, 1, 1)), "the batch entries with seq_len >= 60: batch entries 1, 3 "
-     "(seq_lens 60, 90)", "the batch entries with seq_len <= 41: batch entries 0, 2 (seq_lens 20, 41)"),
+    (lambda p, o: o.mul_(1 + (p.seq_lens >= 60).view(-1, 1, 1, 1)),
+     "the batch entries with seq_len >= 60: batch entries 1, 3 (seq_lens 60, 90)",
+     "the batch entries with seq_len <= 41: batch entries 0, 2 (seq_lens 20, 41)"),
     (lambda p, o: o[1, 1, 0].neg_(), "batch entry 1 (seq_len 60) and query token 1 and head 0", None),
 ])
 def test_wrong_rows_are_named_by_the_simplest_rule(corrupt, wrong, right):
@@ -143,6 +144,17 @@ def test_a_causal_limit_one_too_far_is_found():
     lines = localize(p, out, reference_decode(p))
     assert _line(lines, "out is wrong").startswith(WHERE + "out is wrong in query tokens before the last; ")
     assert _line(lines, "keys:").startswith(WHERE + "keys: the causal limit is off by +1")
+
+
+@pytest.mark.parametrize("visible, words", [
+    (lambda limit, w: lambda pos: pos <= limit, "the sliding window is ignored"),
+    (lambda limit, w: lambda pos: (pos <= limit) & (pos >= limit - w + 1), "the sliding window starts 1 position late"),
+])
+def test_a_misread_sliding_window_is_found(visible, words):
+    window = 10  # token t sees the 10 positions before its own, and its own
+    p = build_problem(ProblemSpec((40, 70), q_len=2, num_heads=2, window_left=window, **SMALL))
+    out = _attention(p, lambda b, t, pos: visible(_causal(p, b, t), window)(pos))
+    assert _line(localize(p, out, reference_decode(p)), "keys:").startswith(WHERE + f"keys: {words}")
 
 
 def test_one_missing_key_is_found_with_its_page_slot():
