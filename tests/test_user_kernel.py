@@ -111,6 +111,10 @@ def test_loading_errors_are_one_line_usage_errors(kernels: str, target: str, com
     ({"lse_base": 1}, "'lse_base' must be"),
     ({"dims_by_dtype": [["fp4", [[512, 64]]]]}, "'dims_by_dtype' must be"),
     ({"dims_by_dtype": [["fp8", [512, 64]]]}, "'dims_by_dtype' must be"),
+    ({"q_lens": [0, 1]}, "'q_lens' must be"),
+    ({"batch_sizes": [2.5]}, "'batch_sizes' must be"),
+    ({"windows": []}, "'windows' must be"),
+    ({"windows": [-1]}, "'windows' must be"),
 ])
 def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
     with pytest.raises(UsageError, match=complaint):
@@ -122,6 +126,7 @@ def test_every_envelope_field_can_be_declared() -> None:
     assert envelope_from_overrides({}) == TRTLLM_ENVELOPE
     declared = envelope_from_overrides({"dims": [[512, 64], [256, 64]], "dims_by_dtype": [["fp8", [[512, 64]]]]})
     assert declared.dims_for("fp8") == ((512, 64),) and declared.dims_for("bf16") == ((512, 64), (256, 64))
+    assert envelope_from_overrides({"windows": [None, 128], "q_lens": [1, 4]}).windows == (None, 128)
 
 
 # ---------------------------------------------------------------- where a kernel is found

@@ -58,6 +58,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_heads": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "dtypes": (_among(tuple(DTYPES)), f"a non-empty list of {sorted(DTYPES)}"),
     "q_len": (lambda v: _ints(v) and len(v) == 2 and 1 <= v[0] <= v[1], "[min, max] with 1 <= min <= max"),
+    "q_lens": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
+    "batch_sizes": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
+    "windows": (lambda v: isinstance(v, (list, tuple)) and len(v) > 0
+                and all(x is None or (_int(x) and x >= 0) for x in v),
+                "a non-empty list of window_left values (null: plain causal, or an int >= 0)"),
     "cache_dims": (_among(CACHE_DIMS), f"a non-empty list of {list(CACHE_DIMS)}"),
     "page_strided": (lambda v: isinstance(v, bool), "true or false"),
     "table_widths": (_among(TABLE_WIDTHS), f"a non-empty list of {list(TABLE_WIDTHS)}"),
