@@ -91,10 +91,12 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     x = torch.where(finite, o, torch.zeros_like(o))  # the kernel's finite values (0 elsewhere)
     y = torch.where(finite, r, torch.zeros_like(r))  # the reference at those places
     # every scalar the verdict needs, read back to the host at once
-    (ref_norm, ref_max, base_max, base_norm, max_abs, err_norm, worst_at, nonfinite, xy, xx, yy, br, bb, rr) = \
+    (ref_norm, ref_max, base_max, base_norm, max_abs, err_norm, worst_at, nonfinite, xy, xx, yy, br, bb, rr,
+     rounding_norm) = \
         torch.stack([r.norm(), r.abs().max(), base_err.max(), base_err.norm(), err.max(), err.norm(),
                      err.argmax().to(torch.float64), (~finite).sum().to(torch.float64), (x * y).sum(),
-                     (x * x).sum(), (y * y).sum(), (b * r).sum(), (b * b).sum(), (r * r).sum()]).tolist()
+                     (x * x).sum(), (y * y).sum(), (b * r).sum(), (b * b).sum(), (r * r).sum(),
+                     _expected_bf16_rounding(r)]).tolist()
     if nonfinite:  # the reference is always finite: any inf/NaN is a failure
         failures.append(_nonfinite_message(o, finite))
     ref_norm = ref_norm or 1.0
@@ -102,8 +104,12 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     # Floor: rounding the reference's largest element to bf16 costs up to half an ulp; allow one ulp.
     floor = _bf16_ulp(ref_max)
     allowed_max = factor * base_max + floor
-    base_rel = base_norm / ref_norm
-    allowed_rel = factor * base_rel + 1e-6  # 1e-6: fp32 accumulation in the baseline itself
+    # The baseline's relative error, but never below what rounding a bf16 output costs on average: when a few
+    # large elements dominate the norm (heavy-tailed values) the baseline's own rounding can happen to be
+    # small, and a correct kernel then measures many times it (FlashInfer fa3 at 3.1x on an H200, 2026-12-02,
+    # docs/verified.md); the expected rounding is a property of the reference alone, not of that luck.
+    base_rel, rounding_rel = base_norm / ref_norm, rounding_norm / ref_norm
+    allowed_rel = factor * max(base_rel, rounding_rel) + 1e-6  # 1e-6: fp32 accumulation in the baseline itself
     rel = err_norm / ref_norm
     worst = _unravel(int(worst_at), tuple(err.shape))
     cos_diff = 1 - 2 * xy / max(xx + yy, 1e-300)
@@ -115,7 +121,8 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
                         f"({factor:g}x baseline {stats.baseline_max_abs:.3g} + floor {floor:.2g}) at {where}: "
                         f"kernel {float(o[worst]):.6g}, reference {float(r[worst]):.6g}")
     if rel > allowed_rel:
-        failures.append(f"relative L2 error {rel:.3g} > allowed {allowed_rel:.3g} ({factor:g}x baseline {base_rel:.3g})")
+        failures.append(f"relative L2 error {rel:.3g} > allowed {allowed_rel:.3g} ({factor:g}x the larger of the "
+                        f"baseline's {base_rel:.3g} and a bf16 output's expected rounding {rounding_rel:.3g})")
     base_cos = 1 - 2 * br / max(bb + rr, 1e-300)
     # FlashMLA's constant holds for unit-normal values; heavy-tailed ones push even the baseline past it. The
     # cosine difference is ~ rel_l2^2 / 2, so a kernel FACTOR times as wrong has FACTOR^2 times the baseline's.
@@ -170,6 +177,14 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         flat, i = divmod(flat, size)
         index.append(i)
     return tuple(reversed(index))
+
+
+def _expected_bf16_rounding(r: torch.Tensor) -> torch.Tensor:
+    """sqrt(E||bf16(r) - r||^2): the rms of rounding each element to bf16, an error uniform in half an ulp
+    either side (variance ulp^2 / 12); a 0-d tensor."""
+    _, exponent = torch.frexp(r)  # |r| = m * 2^e with m in [0.5, 1): bf16's ulp there is 2^(e - 8)
+    ulp = torch.ldexp(torch.ones_like(r), (exponent - 8).to(r.dtype))
+    return (torch.where(r == 0, 0.0, ulp).square().sum() / 12).sqrt()
 
 
 def _bf16_ulp(x: float) -> float:

@@ -1,0 +1,33 @@
+"""The tolerance model's floor: a baseline that happens to be very accurate does not make a correct kernel fail."""
+from __future__ import annotations
+
+import torch
+
+from mla_verify.compare import _expected_bf16_rounding, compare
+from mla_verify.generate import ProblemSpec, build_problem
+from mla_verify.reference import reference_decode
+
+# heavy-tailed values: a few large outputs dominate the norm, where the baseline's luck was seen on an H200
+SPEC = ProblemSpec(seq_lens=(63, 198), num_heads=1, page_size=64, bmm2_extra=1.5625, values="outliers", seed=7)
+
+
+def test_expected_rounding_matches_rounding_to_bf16():
+    r = torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    actual = float((r.to(torch.bfloat16).double() - r).norm())
+    assert abs(float(_expected_bf16_rounding(r)) - actual) < 0.01 * actual  # 2e5 samples: ~0.3% spread
+
+
+def test_an_exact_baseline_does_not_fail_a_kernel_that_only_rounds_its_output():
+    ref = reference_decode(build_problem(SPEC))
+    exact_baseline = ref.out  # the luckiest baseline there can be: no error at all
+    kernel = ref.out.to(torch.bfloat16)  # a perfect kernel: the exact answer, rounded to its bf16 output
+    stats, failures = compare(kernel, None, ref, exact_baseline, "bf16", None)
+    assert not failures, failures
+
+
+def test_the_floor_still_fails_a_wrong_scale():
+    problem = build_problem(SPEC)
+    ref = reference_decode(problem)
+    wrong = reference_decode(problem.__class__(**{**problem.__dict__, "bmm1_scale": problem.bmm1_scale * 1.05}))
+    stats, failures = compare(wrong.out.to(torch.bfloat16), None, ref, ref.out, "bf16", None)
+    assert any("relative L2" in f for f in failures), failures
