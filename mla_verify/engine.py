@@ -26,6 +26,7 @@ from .backends.base import Backend
 from .diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case
 from .profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
+from .simplify import simplify, size
 from .strategies import Budget, Case, budget_for, cases, corner_cases
 
 DEFAULT_SEED = 20261201
@@ -151,12 +152,19 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     except KeyboardInterrupt:
         result.interrupted = True
     hung = _hung(result)
+    failing = drawn + ([corner_failure] if corner_failure is not None else [])
     if hung is not None:
         result.failure = hung
-    elif drawn:  # Hypothesis replays the minimal example last
-        result.failure = drawn[-1] if result.interrupted else _replayed(backend, drawn[-1], device, kernel_seconds)
-    else:
-        result.failure = corner_failure
+    elif failing:
+        # the smallest failure seen: Hypothesis's minimal example (it replays that one last) is minimal in its
+        # own order, not always in size, and a corner case is not shrunk by Hypothesis at all
+        smallest = min(reversed(failing), key=lambda r: size(Case(r.spec, r.layout, r.metamorphic)))
+        if result.interrupted:
+            result.failure = smallest
+        else:
+            if not clock.expired:  # a corner case was never shrunk; a drawn one, in Hypothesis's order only
+                smallest = _simplified(backend, smallest, clock, record)
+            result.failure = _replayed(backend, smallest, device, kernel_seconds)
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
@@ -195,6 +203,26 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
         # the minimal failure did not fail again, which _replayed says
         if clock.expired:
             raise _Stop("time up") from None
+
+
+def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
+                record: Callable[..., CaseResult]) -> CaseResult:
+    """A failing case made as small as it still fails (simplify.py), within the run's deadline."""
+    last = {"result": failure}
+
+    def fails(case: Case) -> bool:
+        if clock.deadline is not None and time.monotonic() > clock.deadline:
+            return False
+        r = record(case)
+        if r.verdict == "fail":
+            last["result"] = r
+        return r.verdict == "fail"
+
+    try:
+        simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
+    except (_Stop, KeyboardInterrupt):
+        pass
+    return last["result"]
 
 
 def _hung(result: EngineResult) -> CaseResult | None:

@@ -1,0 +1,82 @@
+"""Make a failing case smaller where Hypothesis did not: the explicit corner cases, and drawn cases that are
+minimal in Hypothesis's order of choices but not in size.
+
+``simplify`` tries one change at a time -- drop an incidental feature (unused pages, table padding, a strided
+pool, a non-default scale, a metamorphic check), keep half the batch, fewer heads or query tokens, a shorter
+longest sequence -- and keeps each change under which the case still fails, until no change does or the
+attempts run out. Lengths approach the shortest failing one geometrically (half, then three quarters, ...), so
+a failure that needs a long sequence is reported near the shortest length that shows it. Import rule: the
+strategy layer's ``Case`` and the backend envelope; it runs cases through the callable it is given.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterator
+
+from .backends.base import Envelope
+from .strategies import Case
+
+MAX_ATTEMPTS = 48  # cases run at most: a corner failure is big, and each attempt costs a case of its size
+PLAIN_SPEC = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
+                  softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0)
+
+
+def size(case: Case) -> tuple[int, int]:
+    """What "smaller" means: the (query token, head, KV token) triples, then the batch."""
+    s = case.spec
+    return sum(s.seq_lens) * s.num_heads * s.q_len, s.batch
+
+
+def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool], attempts: int = MAX_ATTEMPTS) -> Case:
+    """The smallest case reached from ``case`` by single changes that keep ``fails(case)`` true."""
+    rejected: set[str] = set()
+    while attempts > 0:
+        for name, candidate in _simpler(case, env):
+            if name in rejected or env.why_not(candidate.spec, candidate.layout) is not None:
+                continue
+            attempts -= 1
+            if fails(candidate):
+                case = candidate
+                rejected = {r for r in rejected if r.startswith("feature")}  # features stay decided
+                break
+            rejected.add(name)
+            if attempts == 0:
+                break
+        else:
+            return case
+    return case
+
+
+def _simpler(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
+    """(name, candidate) for each single simplification of ``case``; features first, then sizes."""
+    s, layout = case.spec, case.layout
+    for key, plain in PLAIN_SPEC.items():
+        if getattr(s, key) != plain:
+            yield f"feature {key}", replace(case, spec=replace(s, **{key: plain}))
+    plain_layout = dict(page_stride_pad=0, cache_dims=min(env.cache_dims), table_width=env.table_widths[0])
+    for key, plain in plain_layout.items():
+        if getattr(layout, key) != plain:
+            yield f"feature {key}", replace(case, layout=replace(layout, **{key: plain}))
+    if case.transform != "none":
+        yield "feature transform", replace(case, transform="none")
+    lens = s.seq_lens
+    if len(lens) > 1:
+        half = len(lens) // 2
+        yield f"batch first {half}", replace(case, spec=replace(s, seq_lens=lens[:half]))
+        yield f"batch last {len(lens) - half}", replace(case, spec=replace(s, seq_lens=lens[half:]))
+        if len(lens) <= 8:
+            for i in range(len(lens)):
+                yield f"batch without {i}", replace(case, spec=replace(s, seq_lens=lens[:i] + lens[i + 1:]))
+    for heads in sorted({h for h in (1, s.num_heads // 2) if h < s.num_heads and env.allows_heads(h)}):
+        yield f"heads {heads}", replace(case, spec=replace(s, num_heads=heads))
+    low_q = env.q_len[0]
+    for q in sorted({q for q in (low_q, s.q_len // 2) if low_q <= q < s.q_len}):
+        if min(lens) >= q:
+            yield f"q_len {q}", replace(case, spec=replace(s, q_len=q))
+    longest = max(range(len(lens)), key=lambda i: lens[i])
+    n, lo = lens[longest], s.q_len
+    for step in (2, 4, 8, 16, 32):  # n - (n - lo) / 2, then closer to n: the shortest failing length is near
+        shorter = n - (n - lo) // step
+        if lo <= shorter < n:
+            yield f"length {shorter}", replace(case, spec=replace(s, seq_lens=lens[:longest] + (shorter,)
+                                                                   + lens[longest + 1:]))
