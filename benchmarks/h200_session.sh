@@ -3,11 +3,10 @@
 #   source .gpu-bundle/activate.sh && bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
 # Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT fa2/fa3 + a dev check each), gputests
-# (pytest -m gpu, one worker per core share of the GPU), hostprobe (benchmarks/host_cost_probe.py), reftests
-# (tests/test_reference_cuda.py alone), refbench (reference vs fa3 time and memory), refab (reference versions
-# A/B, REF_AB_ARGS for benchmarks/reference_ab.py), bench (grid twice + agreement), fuzz (fa3 and fa2 side by
-# side, FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel (gputests, probe and fuzz at once),
-# final (gputests and fuzz at once).
+# (pytest -m gpu, one worker per core share of the GPU), reftests (tests/test_reference_cuda.py alone), refbench
+# (reference vs fa3 time and memory), bench (grid twice + agreement), fuzz (fa3 and fa2 side by side,
+# FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel (gputests, probe and fuzz at once), final
+# (gputests and fuzz at once).
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -35,7 +34,7 @@ for phase in "$@"; do
     env)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$R/nvidia-smi.csv"
       $MV doctor 2>&1 | tee "$R/doctor.txt"
-      # the host that issues the launches (leases differ: ~17-45 us a PyTorch launch, docs/gpu_results.md): its
+      # the host that issues the launches (the reference's time on a GPU follows it, docs/reference.md): its
       # CPU, load, and the steal time the hypervisor took from its vCPUs over 5 s (/proc/stat, USER_HZ ticks)
       { grep -m1 "model name" /proc/cpuinfo; grep "cpu MHz" /proc/cpuinfo | sort | uniq -c | head -4
         echo "loadavg $(cat /proc/loadavg)"; a=$(awk '/^cpu /{print $9}' /proc/stat); sleep 5
@@ -50,10 +49,6 @@ for phase in "$@"; do
     probe)
       python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \
         --out "$R/probe" 2>&1 | tee "$R/probe.log" | tail -4 ;;
-    refab)  # reference versions A/B, interleaved: REF_AB_ARGS passes benchmarks/reference_ab.py's options
-      python3 benchmarks/reference_ab.py ${REF_AB_ARGS:-} --out "$R/refab" 2>&1 | tee "$R/refab.log" ;;
-    hostprobe)  # host cost of the reference's per-group operations and of issuing from threads
-      python3 benchmarks/host_cost_probe.py --device cuda 2>&1 | tee "$R/host_cost.txt" ;;
     reftests)  # the reference's own GPU tests alone (tests/test_reference_cuda.py)
       python3 -m pytest $PLUGIN -q -p no:cacheprovider tests/test_reference_cuda.py 2>&1 | tee "$R/reftests.log" | tail -5 ;;
     refbench)

@@ -8,15 +8,13 @@ whole problem's row index and causal mask (8 + q_len bytes per sequence and posi
 Each group is exact attention -- one softmax over the whole row, no split-KV merging -- so the reference
 stays simple. The lengths are the only values read back to the host, once. What does not depend on the group
 (the row index, the causal mask, the halves' sum) is made once for the whole problem, so a group issues nine
-operations: on an H200 the call's GPU work is 5.3-7.1x fa3's time and the host's issuing brings it to
-7.1-10.8x, over 10x on B=128 only where the host takes over ~37 us a launch (results/h200/2026-12-01/reference-ab2,
-2026-12-02/reference-timeline, 2026-12-02b).
+operations: on a GPU each costs host time, and how fast the host issues them sets much of the call's time
+(docs/reference.md, "Its cost").
 
 Precision: float64 by default (what the harness uses on CPUs). ``precision=torch.float32`` (TF32 forced off):
 products of bf16/fp8 inputs are exact and the accumulation error stays below ~4e-6 relative up to T = 16k
 (tests/test_reference.py). ``matmul="bf16-split"`` (what the harness uses on GPUs) runs the products on tensor
-cores: measured on an H200 against float64, 2e-6 to 8e-6 relative, at most 1.2e-4 at T = 131072 -- still
-more than an order of magnitude under any bf16 kernel's error (~2e-3, docs/gpu_results.md).
+cores, still more than an order of magnitude under any bf16 kernel's error (docs/reference.md, "Precision").
 """
 from __future__ import annotations
 
@@ -32,18 +30,15 @@ from .problem import DecodeProblem
 
 LN2 = math.log(2.0)
 DEFAULT_CHUNK_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}  # caps on the default work memory per group:
-CHUNK_OVER_CACHE = 2  # times the cache bytes the problem reads (peaks 1.0-2.0x them: h200/2026-12-01/reference-ab2)
+CHUNK_OVER_CACHE = 2  # times the cache bytes the problem reads: keeps the peak within the ~4x goal (docs/reference.md)
 MATMUL_MODES = ("exact", "bf16-split")
 EXACT_IN_BF16 = (torch.bfloat16, torch.float8_e4m3fn)
 # A group ends where the next sequence (in whole pages) is shorter than this fraction of the group's longest,
-# so padding stays under 30% of a group's rows (~15% for evenly spread lengths; grouping by memory alone
-# padded the benchmark cases to 1.4-1.7x their tokens) -- unless the group still holds under MIN_GROUP_BYTES
-# of work memory: a group costs nine launches of host time (~15-50 us each with its views on the H200's host,
-# results/h200/2026-12-01/reference-ab2/run4/host_cost.txt), so padding a small group is cheaper than another one.
-# A group also takes every sequence left when they fit in it and would hold under the floor as a group of
-# their own: one group's launches saved for a little padding (reference-ab2 run 6: B=64 -10%, B=512 +4%, B=128's
-# groups unchanged). Without the "fit" condition (tail.patch) the chunk then cut such a group short, and B=128 got
-# padding and no fewer groups.
+# so padding stays under 30% of a group's rows (~15% for evenly spread lengths; grouping by memory alone pads
+# far more) -- unless the group still holds under MIN_GROUP_BYTES of work memory: on a GPU a group costs nine
+# launches of host time, so padding a small group is cheaper than issuing another one. For the same reason a
+# group takes every sequence left when they fit in its chunk and would hold under the floor as a group of
+# their own; without the "fit" condition the chunk would cut such a group short: padding, and no group saved.
 # (On CPUs the chunk cap, 256 MiB, is below the floor: groups there are bounded by memory alone.)
 GROUP_LENGTH_RATIO = 0.7
 MIN_GROUP_BYTES = 384 << 20
@@ -69,8 +64,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     (bf16 / fp8 inputs only; float32 results) keeps the operands in bf16 -- fp8 and bf16 values are exact
     there -- and accumulates in fp32, so the scores are the exact products summed in fp32; the probabilities
     are split into two bf16 terms (hi + lo, relative error 2^-17 ~ 8e-6) for the second product. Tensor cores
-    then do the work: the fast mode used on GPUs, typically ~200x more precise than a bf16 kernel (2e-6 to
-    8e-6 against ~2e-3), at worst ~18x (1.1e-4 at T = 131072).
+    then do the work: the fast mode used on GPUs, more than an order of magnitude more precise than a bf16
+    kernel even at T = 131072 (docs/reference.md, "Precision").
 
     ``p_dtype`` (bf16 / fp8) instead emulates a careful low-precision kernel -- the probabilities
     exp(s - rowmax) rounded to ``p_dtype`` before the second product, as flash-style kernels feed their
@@ -103,7 +98,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     converted = 0 if p.kv_cache.dtype == operand else D * operand.itemsize
     bytes_per_token = D * p.kv_cache.element_size() + converted + 4 * Q * H * itemsize
     # Everything that does not depend on the group is made here, once, for the whole problem in length order:
-    # on a GPU every operation costs host time (~12-50 us, docs/reference.md), so a group issues only its own
+    # on a GPU every operation costs host time (docs/reference.md), so a group issues only its own
     # nine (gather, two products, mask, max, softmax, the top's share, the two bf16 halves)
     longest = _whole_pages(lens[0], page)  # at least one page: lens >= 1
     positions = torch.arange(longest, device=p.device)
@@ -128,10 +123,9 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     with _no_tf32():
         for start, stop, tokens in _groups(lens, page, bytes_per_token, chunk_bytes):
             group = slice(start, stop)
-            # embedding = index_select on the slice made contiguous: indexing by the strided slice itself ran
-            # a generic kernel, about 2.5x slower on the H200 (results/h200/2026-12-01/reference-ab2). Called
-            # without F.embedding's wrapper, which checks arguments the reference never passes: with the
-            # mask's two launches fewer, 0.5-6% of a call (2026-12-02/reference-timeline, micro.patch)
+            # embedding = index_select on the slice made contiguous: indexing by the strided slice itself runs
+            # a generic indexing kernel, much slower on GPUs. torch.embedding, not F.embedding: the wrapper only
+            # checks arguments the reference never passes, and costs host time on every group
             kv = torch.embedding(cache_rows, rows[group, :tokens])
             # positions before the group's shortest sequence's first causal limit are visible to every token
             # (>= 1: validation keeps seq_len >= q_len) -- unless a sliding window hides the earliest ones
@@ -251,7 +245,7 @@ def _cache_rows(pages: torch.Tensor, past_end: torch.Tensor, in_page: torch.Tens
     pages are ``pages`` [b, T / page] (``in_page``: 0 .. page - 1). Positions past a sequence's end (``past_end``
     [b, T]) read that sequence's first row instead: finite, and masked out of the scores, so a NaN-poisoned tail
     can neither leak (0 * NaN) nor be followed through a padding entry. (A page-at-a-time gather moves bytes
-    faster but must then zero those rows: measured slower on all three benchmark cases, docs/gpu_results.md.)"""
+    faster but must then zero those rows: slower on all three benchmark cases, docs/reference.md.)"""
     rows = torch.add(in_page, pages[:, :, None], alpha=page).view(past_end.shape)
     return torch.where(past_end, rows[:, :1], rows)
 
