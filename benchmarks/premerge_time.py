@@ -1,4 +1,4 @@
-"""Wall time and repeatability of the premerge gate on this machine (issue 4's CPU acceptance): a benchmark.
+"""Wall time and repeatability of the premerge gate on this machine (docs/verified.md): a benchmark.
 
 Runs the real command line, ``python -m mla_verify.cli check ... --device cpu --profile premerge --report``,
 ``--runs`` times (default 2) for each target -- the correct CPU kernel (``--kernel
@@ -12,7 +12,7 @@ on what else the machine runs, which is why the load stands beside every number.
                                        [--background-load 2]
 
 ``--omp-threads`` sets OMP_NUM_THREADS for the runs: on a 2-core machine shared with other work, torch's
-intra-op threads wait on each other and the same run takes several times longer (see docs/cpu_results.md).
+intra-op threads wait on each other and the same run takes several times longer (see docs/verified.md).
 ``--background-load N`` reproduces such a machine: N busy-looping processes run beside every run.
 
 Writes the JSON record to ``--out`` and a Markdown table next to it (``.md``). Reproducer fixtures of any
@@ -32,7 +32,7 @@ from typing import Any
 from run_record import LOAD_HEADER, REPO, load_cells, machine_line, machine_record, measured
 
 TARGETS = {"correct_kernel": ["--kernel", "mla_verify.mutants:correct_kernel"], "cpu-peer": ["--backend", "cpu-peer"]}
-BOUND_S = 60.0  # issue 4: premerge on the 2-core CPU machine takes <= 60 s
+BOUND_S = 60.0  # the goal: premerge on the 2-core CPU machine takes <= 60 s
 
 
 def run_once(target: list[str], report: Path, fixtures: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = ["# Premerge wall time on CPU", "", f"Machine: {machine_line(record['machine'])}. "
              f"OMP_NUM_THREADS={record['OMP_NUM_THREADS'] or 'unset (torch uses one thread per core)'}; "
              f"busy-looping background processes started by the benchmark: {record['background_load']}. "
-             f"Bound: {BOUND_S:.0f} s wall per run (issue 4). CPU s: the run's own user+system seconds "
+             f"Bound: {BOUND_S:.0f} s wall per run. CPU s: the run's own user+system seconds "
              "(spin-waiting threads count too).", "",
              f"| target | run | wall s | CPU s | engine s | cases (pass/fail/skip) | exit | {LOAD_HEADER} | <= 60 s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -37,7 +37,7 @@ from mla_verify.reference import reference_decode
 CASES = (BenchCase(128, 128, 4096, 64), BenchCase(512, 16, 4096, 64), BenchCase(64, 16, 16384, 32))
 TIME_RATIO_GOAL = 10.0  # the reference within 10x fa3's time
 MEMORY_RATIO_GOAL = 4.0  # peak extra memory within ~4x the cache bytes read
-# fa3 in bf16 sits near rel L2 error 2e-3 (MLA_NOTES); 10x that still separates it from a wrong call (~1).
+# fa3 in bf16 sits near rel L2 error 2e-3 (docs/reference.md); 10x that still separates it from a wrong call (~1).
 SANITY_REL_L2 = 2e-2
 # name -> (precision, matmul mode): "fast" is what the harness uses on GPUs (exact bf16 products, fp32 sums)
 PRECISIONS = {"fast": (torch.float32, "bf16-split"), "fp32": (torch.float32, "exact"),

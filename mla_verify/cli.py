@@ -1,4 +1,4 @@
-"""The ``mla-verify`` command (DESIGN.md, Contract 2).
+"""The ``mla-verify`` command (docs/contracts.md, Contract 2).
 
 Exit codes: 0 every case passed; 1 a discrepancy was found (the shrunk case, its diagnosis and a reproducer
 fixture are printed); 2 bad usage, bad configuration or an unreadable fixture -- one line on stderr, no

@@ -1,7 +1,7 @@
 """Deliberately faulty MLA decode kernels: each proves the suite catches one real bug class.
 
 Every kernel here is the same small, correct CPU/PyTorch implementation of Contract 1 (the trtllm-style
-callable, see DESIGN.md) -- ``FaultyKernel`` -- with one field of ``Faults`` changed. The defaults of
+callable, see docs/contracts.md) -- ``FaultyKernel`` -- with one field of ``Faults`` changed. The defaults of
 ``Faults`` are the correct behaviour, so each mutant is a one-line variation, not a copy:
 
     correct_kernel = FaultyKernel(Faults())

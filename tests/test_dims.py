@@ -20,7 +20,7 @@ def test_r1_yarn_scale_matches_the_published_formula() -> None:
     assert R1_YARN_FACTOR == 40.0
     assert R1_SOFTMAX_SCALE == pytest.approx(expected, rel=1e-15)
     assert softmax_scale(DEEPSEEK_V3, 40.0, 1.0) == pytest.approx(expected, rel=1e-15)
-    assert abs(R1_SOFTMAX_SCALE - 0.1352) < 5e-5  # the rounded value quoted in the issue and MLA_NOTES
+    assert abs(R1_SOFTMAX_SCALE - 0.1352) < 5e-5  # the rounded value DeepSeek-R1 deployments quote
 
 
 # 0.1 * ln(factor) * mscale_all_dim + 1, evaluated independently (ln 40 = 3.6888794541139363,

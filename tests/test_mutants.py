@@ -15,7 +15,7 @@ from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
 from mla_verify.mutants import MUTANTS, FaultyKernel, Faults, correct_kernel
 
-# The bug classes issue 5 requires at least one mutant for.
+# The bug classes the suite promises at least one mutant for (docs/mutants.md).
 REQUIRED_CLASSES = {"softmax scale", "layout", "length", "page size", "causal mask", "LSE", "out buffer",
                     "input mutation", "split-KV"}
 CORRECT_LAYOUTS = [LayoutSpec(), LayoutSpec(cache_dims=4, page_stride_pad=8, table_width="pad128", pass_out=False)]

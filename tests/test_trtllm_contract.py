@@ -3,7 +3,7 @@ validation run on those very arguments, and the harness catching test doubles th
 
 Three levels:
 1. A recorder replaces ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla``: shapes, dtypes, strides,
-   3-D vs 4-D, table width, scale values, LSE base, ``out`` identity -- against Contract 1 (DESIGN.md).
+   3-D vs 4-D, table width, scale values, LSE base, ``out`` identity -- against Contract 1 (docs/contracts.md).
 2. The real public function runs on CPU tensors with only the device queries (SM100) and the native launcher
    faked; the fake launcher computes with the CPU peer, so FlashInfer's whole Python layer -- validation,
    normalisation, LSE base, out/LSE return -- sits between our adapter and a correct result.

@@ -27,7 +27,7 @@ def cpu_peer_decode(query: torch.Tensor, kv_cache: torch.Tensor, workspace_buffe
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                     out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
                     return_lse: bool = False, *, tokens_per_split: int = TOKENS_PER_SPLIT, **_: object):
-    """Contract 1 (DESIGN.md). ``workspace_buffer`` and ``qk_nope_head_dim`` are accepted and unused;
+    """Contract 1 (docs/contracts.md). ``workspace_buffer`` and ``qk_nope_head_dim`` are accepted and unused;
     ``max_seq_len`` bounds the splits, as kernels use it for scheduling. Returns ``out`` or ``(out, lse)``
     with LSE ``[B*q_len, H]`` fp32 in base 2."""
     cache = canonical_cache(kv_cache)  # [P, page, D] view, also of a 4-D [P, 1, page, D] cache

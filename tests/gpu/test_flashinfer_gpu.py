@@ -3,7 +3,7 @@
 Every test here is marked ``gpu`` and skips with the backend's own reason where it cannot run -- on a CPU-only
 machine, or trtllm-gen on an H200 ("needs SM100/SM103/SM107; this GPU (NVIDIA H200) is SM90").
 
-Acceptance run (issue 3): fa2 and fa3 each pass >= MLA_VERIFY_GPU_MIN_PASS (default 500) drawn cases of the
+Acceptance run: fa2 and fa3 each pass >= MLA_VERIFY_GPU_MIN_PASS (default 500) drawn cases of the
 premerge profile (seeded: the same cases every run) over their envelopes: page sizes 1/16/32/64, heads 1-128,
 sequences from 1 token to the device budget (past 16k), q_len 1-16, bf16 and fp8 cache. With
 MLA_VERIFY_GPU_RECORD=DIR each backend writes DIR/<backend>.json: date, platform, cases, coverage, worst errors.
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 MIN_PASS = int(os.environ.get("MLA_VERIFY_GPU_MIN_PASS", "500"))
 # drawn cases asked of Hypothesis: more than must pass, as FlashInfer's planner refusals (skips) use examples
 # too -- on the H200 about a quarter of drawn cases were refused (fp8 with rank 256, causal tile edges), so
-# 550 gave ~415 passes and 800 gave ~596 (docs/gpu_results.md)
+# 550 gave ~415 passes and 800 gave ~596 (docs/verified.md)
 MAX_EXAMPLES = int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", str(MIN_PASS * 8 // 5)))
 RECORD_DIR = os.environ.get("MLA_VERIFY_GPU_RECORD")
 FLASHINFER_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile")
