@@ -7,7 +7,7 @@ the rounding any bf16 output must make. The baseline is what a plain bf16 PyTorc
 operand precision before the second product, output rounded to bf16. Both errors are measured on the very
 same problem, so the bound adapts to sequence length, head count and value distribution.
 
-Calibration (benchmarks/tolerance_probe.py and fuzz runs, H200, FlashInfer 0.7.2.post1; docs/gpu_results.md):
+Calibration (benchmarks/tolerance_probe.py and fuzz runs, H200, FlashInfer 0.7.2.post1; docs/verified.md):
 on 2 x 69 drawn cases fa2/fa3 error / this baseline's error was at most 1.36 (relative L2) and 1.73 (max abs),
 against 1.68 and 2.45 for a baseline that keeps the scale out of q; FACTOR below records the fuzz's worst.
 """
@@ -22,7 +22,7 @@ from .problem import DecodeProblem
 from .reference import ReferenceResult, fast_matmul_mode, reference_decode
 
 # FlashAttention's factor is 2x the baseline's error (4x for fp8, as in their fp8 tests). Measured on an H200
-# (fa3 fuzz, 2026-12-01, docs/gpu_results.md): FlashInfer fa3 reached 2.36x in relative L2 on heavy-tailed
+# (fa3 fuzz, 2026-12-01, docs/verified.md): FlashInfer fa3 reached 2.36x in relative L2 on heavy-tailed
 # inputs whose softmax rows are nearly one-hot (the baseline's error is then unusually small), and <= 1.15x on
 # unit-normal ones; so bf16 gets 3x. A real fault (a wrong scale, length or layout) is off by far more.
 FACTOR = {"bf16": 3.0, "fp16": 3.0, "fp8": 4.0, "fp32": 2.0, "fp64": 2.0}
