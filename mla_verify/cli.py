@@ -205,8 +205,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # the cases are small: a second thread gains ~20% on an idle machine, and on shared cores each op
-        # waits for the thread that is not scheduled (premerge 10 s idle, 85 s loaded; results/cpu/)
+        # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
+        # waits for the thread that is not scheduled (docs/verified.md)
         torch.set_num_threads(1)
     profile = get_profile(ns.profile)
     report_path = check_report_path(ns.report) if ns.report else None
