@@ -5,15 +5,20 @@
   multiple of 128 / page_size (what trtllm-gen's "auto" dispatch requires).
 - FlashInfer wrapper CSR metadata (qo_indptr, kv_indptr, kv_indices, kv_len_arr) with split q_nope/q_pe
   and ckv/kpe views of one pool.
+- The paging arithmetic they all share: how many table entries a sequence uses (``page_counts``), which
+  entries of a table are pages and which are padding (``used_entries``), and the CSR page lists
+  (``csr_metadata``).
 - vLLM's MLA cache, [num_blocks, block_size, kv_lora_rank + rope]: the canonical 3-D layout itself.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .problem import DecodeProblem
+if TYPE_CHECKING:  # problem.py uses the paging arithmetic below: at run time only it imports the other
+    from .problem import DecodeProblem
 
 CACHE_DIMS = (3, 4)
 TABLE_WIDTHS = ("native", "pad128")
@@ -46,6 +51,41 @@ class TrtllmArgs:
     seq_lens: torch.Tensor  # [B] int32
     max_seq_len: int
     pool: torch.Tensor  # the storage behind kv_cache (all of it must stay unchanged)
+
+
+def page_counts(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B] int64: the block-table entries each sequence uses, ceil(seq_len / page_size)."""
+    return (seq_lens.long() + page_size - 1) // page_size
+
+
+def used_entries(seq_lens: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
+    """[B, width] bool: the entries of a ``width``-column block table that hold their sequence's pages (the
+    others are padding, never to be followed)."""
+    return torch.arange(width, device=seq_lens.device)[None, :] < page_counts(seq_lens, page_size)[:, None]
+
+
+class CsrMetadata(NamedTuple):
+    """The page lists of FlashInfer's wrapper, all int32."""
+
+    qo_indptr: torch.Tensor  # [B+1]: query rows of request b are qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: torch.Tensor  # [B+1]: request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [sum of the page counts]
+    kv_len_arr: torch.Tensor  # [B]: the sequence lengths themselves
+
+
+def csr_metadata(seq_lens: torch.Tensor, q_len: int, page_size: int,
+                 block_table: torch.Tensor | None = None) -> CsrMetadata:
+    """CSR page lists for int32 ``seq_lens`` with ``q_len`` query tokens each, on ``seq_lens``' device. The page
+    ids are ``block_table``'s used entries; without a table they are zeros (what a planner's checks need)."""
+    pages = page_counts(seq_lens, page_size)
+    kv_indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
+    batch, device = seq_lens.shape[0], seq_lens.device
+    qo_indptr = torch.arange(0, (batch + 1) * q_len, q_len, device=device, dtype=torch.int32)
+    if block_table is None:
+        kv_indices = torch.zeros(int(kv_indptr[-1]), dtype=torch.int32, device=device)
+    else:
+        kv_indices = block_table[used_entries(seq_lens, page_size, block_table.shape[1])].to(torch.int32).contiguous()
+    return CsrMetadata(qo_indptr, kv_indptr, kv_indices, seq_lens)
 
 
 def padded_width(width: int, page_size: int) -> int:
@@ -106,14 +146,9 @@ def wrapper_args(problem: DecodeProblem, layout: LayoutSpec) -> WrapperArgs:
     p = problem
     L = p.dims.kv_lora_rank
     view, pool = strided_pool(p.kv_cache, layout.page_stride_pad)
-    used = p.pages_used()
-    mask = torch.arange(p.block_table.shape[1], device=p.device)[None, :] < used[:, None]
-    kv_indices = p.block_table[mask].to(torch.int32).contiguous()
-    kv_indptr = torch.nn.functional.pad(torch.cumsum(used, 0), (1, 0)).to(torch.int32)
-    qo_indptr = torch.arange(0, (p.batch + 1) * p.q_len, p.q_len, device=p.device, dtype=torch.int32)
+    csr = csr_metadata(p.seq_lens, p.q_len, p.page_size, p.block_table)
     q = p.query.reshape(p.batch * p.q_len, p.num_heads, -1)
-    return WrapperArgs(qo_indptr, kv_indptr, kv_indices, p.seq_lens, q[..., :L], q[..., L:],
-                       view[..., :L], view[..., L:], pool)
+    return WrapperArgs(*csr, q[..., :L], q[..., L:], view[..., :L], view[..., L:], pool)
 
 
 def csr_to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, fill: int = 0) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from .dims import MLADims
 from .errors import ProblemError
+from .layouts import page_counts, used_entries
 
 FP8 = torch.float8_e4m3fn
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, FP8)
@@ -70,7 +71,11 @@ class DecodeProblem:
 
     def pages_used(self) -> torch.Tensor:
         """[B] number of block-table entries each sequence uses."""
-        return (self.seq_lens.long() + self.page_size - 1) // self.page_size
+        return page_counts(self.seq_lens, self.page_size)
+
+    def used_entries(self) -> torch.Tensor:
+        """[B, W] bool: the block-table entries that hold pages (the rest is padding)."""
+        return used_entries(self.seq_lens, self.page_size, self.block_table.shape[1])
 
     def validate(self) -> "DecodeProblem":
         """Raise ProblemError (one line, naming the field) if the problem is malformed; return self."""
@@ -103,8 +108,7 @@ class DecodeProblem:
             _expect(n >= self.q_len, "seq_lens", f"seq_lens[{i}] = {n} is shorter than q_len = {self.q_len}")
             _expect(n <= capacity, "seq_lens", f"seq_lens[{i}] = {n} exceeds what a block-table row addresses "
                     f"({bt.shape[1]} pages x {self.page_size} = {capacity})")
-        used = torch.arange(bt.shape[1], device=bt.device)[None, :] < self.pages_used()[:, None]
-        bad = used & ((bt < 0) | (bt >= self.num_pages))
+        bad = self.used_entries() & ((bt < 0) | (bt >= self.num_pages))
         if bool(bad.any()):
             b, j = (int(x) for x in bad.nonzero()[0])
             raise ProblemError(f"block_table: block_table[{b}, {j}] = {int(bt[b, j])} is outside the pool "
