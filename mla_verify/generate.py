@@ -16,6 +16,7 @@ import torch
 
 from .dims import MLADims
 from .errors import ProblemError
+from .layouts import page_counts, used_entries
 from .problem import FP8, DecodeProblem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64, "fp8": FP8}
@@ -111,14 +112,14 @@ def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> Deco
     gen.manual_seed(spec.seed)
     dims, page, B = spec.dims, spec.page_size, spec.batch
     width = dims.head_dim_qk
-    pages_needed = [(n + page - 1) // page for n in spec.seq_lens]
+    lens = torch.tensor(spec.seq_lens, dtype=torch.int32, device=device)
+    pages_needed = page_counts(lens, page).tolist()
     used = sum(pages_needed)
     P = used + spec.extra_pages
     order = torch.randperm(P, generator=gen, device=device) if spec.shuffle_pages else torch.arange(P, device=device)
     W = max(pages_needed) + spec.table_pad
     table = _padding(spec.pad_fill, (B, W), P, gen, device)
-    lens = torch.tensor(spec.seq_lens, dtype=torch.int32, device=device)
-    used_mask = torch.arange(W, device=device)[None, :] < torch.tensor(pages_needed, device=device)[:, None]
+    used_mask = used_entries(lens, page, W)
     table[used_mask] = order[:used].to(torch.int32)
 
     dtype = DTYPES[spec.dtype]
