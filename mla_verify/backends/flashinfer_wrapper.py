@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..generate import DTYPES, ProblemSpec
-from ..layouts import LayoutSpec, wrapper_args
+from ..layouts import LayoutSpec, csr_metadata, wrapper_args
 from ..platform import flashinfer_import_error
 from ..problem import FP8, DecodeProblem
 from .base import Backend, Envelope, PreparedCall
@@ -41,12 +41,7 @@ def operand_dtypes(dtype: str) -> tuple[torch.dtype, torch.dtype]:
 
 def _spec_csr(spec: ProblemSpec) -> dict[str, torch.Tensor]:
     """Host CSR metadata with the spec's lengths (page ids are irrelevant to the planners' checks)."""
-    kv_len = torch.tensor(spec.seq_lens, dtype=torch.int32)
-    pages = (kv_len + spec.page_size - 1) // spec.page_size
-    kv_indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
-    qo_indptr = torch.arange(0, (spec.batch + 1) * spec.q_len, spec.q_len, dtype=torch.int32)
-    return {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
-            "kv_indices": torch.zeros(int(kv_indptr[-1]), dtype=torch.int32), "kv_len_arr": kv_len}
+    return csr_metadata(torch.tensor(spec.seq_lens, dtype=torch.int32), spec.q_len, spec.page_size)._asdict()
 
 
 def fa_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
