@@ -136,14 +136,11 @@ def _causal_off(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None
     return None if out is None else out.view(B, Q, H, -1)
 
 
-def _used(p: DecodeProblem) -> torch.Tensor:
-    return torch.arange(p.block_table.shape[1], device=p.device)[None, :] < p.pages_used()[:, None]
-
-
 def _table(fn: Callable[[DecodeProblem], "torch.Tensor | None"]) -> Recompute:
     def recompute(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
         table = fn(p)
-        same = table is None or torch.equal(torch.where(_used(p), table, 0), torch.where(_used(p), p.block_table, 0))
+        used = p.used_entries()
+        same = table is None or torch.equal(torch.where(used, table, 0), torch.where(used, p.block_table, 0))
         return None if same else _solve(replace(p, block_table=table.to(torch.int32)))
     return recompute
 
@@ -158,7 +155,7 @@ def _padded_stride(p: DecodeProblem) -> torch.Tensor | None:
 
 
 def _sorted_pages(p: DecodeProblem) -> torch.Tensor:
-    used = _used(p)
+    used = p.used_entries()
     big = torch.iinfo(torch.int32).max
     return torch.where(used, torch.where(used, p.block_table, big).sort(dim=1).values, p.block_table)
 

@@ -28,13 +28,9 @@ def _identity(out: torch.Tensor, lse: torch.Tensor | None):
     return out, lse
 
 
-def _used(p: DecodeProblem) -> torch.Tensor:
-    return torch.arange(p.block_table.shape[1], device=p.device)[None, :] < p.pages_used()[:, None]
-
-
 def transform(p: DecodeProblem, name: str, seed: int = 0) -> tuple[DecodeProblem, Unmap]:
     """Apply the named transformation (see TRANSFORMS)."""
-    used = _used(p)
+    used = p.used_entries()
     if name == "pages":
         gen = torch.Generator(device=p.device)
         gen.manual_seed(seed)
