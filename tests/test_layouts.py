@@ -1,14 +1,15 @@
 """layouts.py round trips: every kernel layout holds exactly the canonical problem's data, in shared storage."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import (LayoutSpec, canonical_cache, csr_to_block_table, padded_width, strided_pool,
-                                trtllm_args, wrapper_args)
+from mla_verify.layouts import (LayoutSpec, canonical_cache, csr_metadata, csr_to_block_table, page_counts,
+                                padded_width, strided_pool, trtllm_args, used_entries, wrapper_args)
 from mla_verify.problem import DecodeProblem
 from oracles import same_bits
 
@@ -74,6 +75,21 @@ def test_pad128_table_keeps_the_native_columns_and_only_widens(problem: DecodePr
     assert padded.shape[1] - native.shape[1] < step
     assert torch.equal(padded[:, :native.shape[1]], native) and padded.dtype == torch.int32
     assert padded.is_contiguous()
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_page_counts_and_used_entries_follow_their_definition(page: int) -> None:
+    lens = [1, page - 1, page, page + 1, 3 * page + 2]
+    lens = [n for n in lens if n >= 1]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want = [math.ceil(n / page) for n in lens]  # a sequence of n tokens spans ceil(n / page) pages
+    assert page_counts(seq_lens, page).tolist() == want
+    width = max(want) + 2  # two padding columns past the longest sequence
+    assert used_entries(seq_lens, page, width).tolist() == [[j < k for j in range(width)] for k in want]
+    csr = csr_metadata(seq_lens, 2, page)  # no table: zero page ids, as the planners' checks need
+    assert csr.kv_indptr.tolist() == [sum(want[:b]) for b in range(len(want) + 1)]
+    assert csr.qo_indptr.tolist() == [2 * b for b in range(len(want) + 1)]
+    assert csr.kv_indices.tolist() == [0] * sum(want) and csr.kv_len_arr is seq_lens
 
 
 def test_csr_metadata_round_trips_to_the_used_part_of_the_block_table(problem: DecodeProblem) -> None:
