@@ -360,6 +360,8 @@ def _replay_device(recorded: str | None) -> torch.device:
 
 def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | None, device: torch.device) -> None:
     """Whether the kernel reproduced its recorded output (and LSE) bit for bit."""
+    from .bits import same_bits
+
     if backend != recorded or "kernel_out" not in fx.tensors or result.out is None:
         return
     pairs = [(fx.tensors["kernel_out"], result.out)]
@@ -371,12 +373,6 @@ def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | No
         f" (recorded on {source}: bit identity is not expected across device types)"
     what = "output and LSE" if len(pairs) == 2 else "output"
     print(f"  kernel {what}: {'bit-identical to' if same else 'differ from'} the recorded run{where}")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of dtype, shape and every byte (NaN payloads included)."""
-    return a.dtype == b.dtype and a.shape == b.shape and bool(
-        (a.contiguous().reshape(-1).view(torch.uint8) == b.contiguous().reshape(-1).view(torch.uint8)).all())
 
 
 # ---------------------------------------------------------------- report, doctor, list-backends, bench

@@ -80,9 +80,3 @@ def sdpa_decode(p: DecodeProblem) -> torch.Tensor:
         o = F.scaled_dot_product_attention(query, k, k[..., :L], attn_mask=mask, scale=p.bmm1_scale)
         outs.append(o.transpose(0, 1) * p.bmm2_scale)
     return torch.stack(outs)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of shape, dtype and raw bytes -- NaN equals the same NaN; works for fp8 too."""
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))

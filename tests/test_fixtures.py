@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mla_verify import fixtures
+from mla_verify.bits import same_bits
 from mla_verify.errors import FixtureError, UsageError
 from mla_verify.fixtures import fixture_paths, load_fixture, save_fixture
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import LayoutSpec
-from oracles import same_bits
 
 SPECS = {
     "bf16": ProblemSpec(seq_lens=(5, 17), q_len=2, num_heads=3, page_size=16, extra_pages=2, table_pad=1, seed=3),

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mla_verify.bits import same_bits
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import (LayoutSpec, canonical_cache, csr_metadata, csr_to_block_table, page_counts,
                                 padded_width, strided_pool, trtllm_args, used_entries, wrapper_args)
 from mla_verify.problem import DecodeProblem
-from oracles import same_bits
 
 # lengths cover a single token, a partial last page, an exact page multiple and several pages
 SPEC = ProblemSpec(seq_lens=(1, 17, 32, 70), q_len=1, num_heads=4, page_size=16, extra_pages=3, table_pad=1,
