@@ -9,12 +9,26 @@ import torch
 _SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def changed_elements(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Number of elements whose bits differ; a change of shape or dtype counts as all of them."""
+def changed_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The number of elements whose bits differ, as a 0-d int64 tensor on ``a``'s device (not read back); a
+    change of shape or dtype counts as all of them."""
     if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.numel(), b.numel())
+        return torch.tensor(max(a.numel(), b.numel()), device=a.device)
     ints = _SAME_WIDTH_INTS[a.element_size()]
-    return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
+    return (a.contiguous().view(ints) != b.contiguous().view(ints)).sum()
+
+
+def changed_elements(a: torch.Tensor, b: torch.Tensor) -> int:
+    """``changed_count`` read back to the host."""
+    return int(changed_count(a, b))
+
+
+def changed_elements_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """``changed_elements`` of each pair, with one read back to the host for all of them."""
+    if not pairs:
+        return []
+    counts = [changed_count(a, b) for a, b in pairs]
+    return [int(n) for n in torch.stack([c.to(counts[0].device) for c in counts]).tolist()]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ import torch
 
 from . import metamorphic
 from .backends.base import ENVELOPE_PREFIX, Backend, PreparedCall
+from .bits import changed_elements, changed_elements_each
 from .compare import ErrorStats, baseline_decode, compare
 from .diagnose import diagnose_safely
 from .generate import ProblemSpec, build_problem
@@ -234,7 +235,7 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
     if isinstance(out, torch.Tensor) and out.dtype != torch.bfloat16:
         failures.append(f"out dtype is {out.dtype}, the contract says bf16")
     names = list(snapshot)
-    for name, changed in zip(names, _changed_counts([(prepared.inputs[n], snapshot[n]) for n in names])):
+    for name, changed in zip(names, changed_elements_each([(prepared.inputs[n], snapshot[n]) for n in names])):
         if changed:
             failures.append(f"kernel modified its input '{name}' ({changed} elements changed)")
     if not isinstance(out, torch.Tensor):
@@ -267,32 +268,11 @@ def _check_repeatable(prepared: PreparedCall, problem: DecodeProblem, out: torch
         failures.append(f"with {what}: " + (again_failures[0] if again_failures else "no output"))
         return
     out2, lse2 = unmap(*run) if unmap is not None else run
-    diff = _changed(out2, out)
+    diff = changed_elements(out2, out)
     if diff:
         failures.append(f"{NOT_BIT_IDENTICAL} with {what}: {diff} of {out.numel()} output elements differ")
-    elif lse is not None and lse2 is not None and _changed(lse2, lse):
+    elif lse is not None and lse2 is not None and changed_elements(lse2, lse):
         failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
-
-
-def _changed_counts(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
-    """``_changed`` of each pair, with one read back to the host for all of them."""
-    if not pairs:
-        return []
-    counts = [_changed_tensor(a, b) for a, b in pairs]
-    return [int(n) for n in torch.stack([c.to(counts[0].device) for c in counts]).tolist()]
-
-
-def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Number of elements whose bits differ (NaN payloads included); shape changes count as all."""
-    return int(_changed_tensor(a, b))
-
-
-def _changed_tensor(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``_changed`` as a 0-d int64 tensor on ``a``'s device (not read back)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return torch.tensor(max(a.numel(), b.numel()), device=a.device)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return (a.contiguous().view(ints) != b.contiguous().view(ints)).sum()
 
 
 def judge_reference(problem: DecodeProblem) -> ReferenceResult:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_verify.bits import changed_elements, same_bits
+from mla_verify.bits import changed_elements, changed_elements_each, same_bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32])
@@ -33,3 +33,12 @@ def test_shape_or_dtype_changes_count_as_every_element() -> None:
 def test_non_contiguous_views_compare_by_their_elements() -> None:
     a = torch.arange(12.0).reshape(3, 4)
     assert same_bits(a.t(), a.t().contiguous())
+
+
+def test_changed_elements_each_counts_every_pair() -> None:
+    a = torch.zeros(4)
+    b = a.clone()
+    b[:3] = 1
+    pairs = [(a, a.clone()), (a, b), (a, a.double())]
+    assert changed_elements_each(pairs) == [changed_elements(x, y) for x, y in pairs] == [0, 3, 4]
+    assert changed_elements_each([]) == []
