@@ -30,7 +30,7 @@ import torch
 
 from .backends import Backend, requested_backends
 from .bench_timing import CudaTimer, Timer, WallClockTimer
-from .cli import OneLineParser, non_negative_int, one_line, parse_device, positive_int
+from .cli_args import OneLineParser, non_negative_int, one_line, parse_device, positive_int
 from .errors import MLAVerifyError, UsageError
 from .generate import DTYPES, ProblemSpec, build_problem
 from .layouts import LayoutSpec
@@ -498,7 +498,7 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
 
 
 def _device(text: str) -> torch.device:
-    """``cli.parse_device``, its one-line complaint raised as a UsageError (bench reports those itself)."""
+    """``cli_args.parse_device``, its one-line complaint raised as a UsageError (bench reports those itself)."""
     try:
         return parse_device(text)
     except argparse.ArgumentTypeError as e:

@@ -7,7 +7,6 @@ traceback. Everything a run needs is validated before the first case runs.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
@@ -19,75 +18,13 @@ from typing import Any, Sequence
 
 import torch
 
+from .cli_args import (EXIT_DISCREPANCY, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, OneLineParser, non_negative_int,
+                       one_line, parse_device, positive_int, positive_minutes, positive_seconds)
 from .engine import DEFAULT_KERNEL_SECONDS
 from .errors import MLAVerifyError, UsageError
 
-EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 TRACEBACK_ENV = "MLA_VERIFY_TRACEBACK"  # set to 1 to see the traceback of an internal error
 DEFAULT_FIXTURES = Path("fixtures") / "regressions"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (its own message plus where to look), exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-# ---------------------------------------------------------------- argument types
-def _integer(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    return _integer(text, 0)
-
-
-def positive_int(text: str) -> int:
-    return _integer(text, 1)
-
-
-def _positive_number(text: str, unit: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
-    return value
-
-
-def _minutes(text: str) -> float:
-    return _positive_number(text, "minutes")
-
-
-def _seconds(text: str) -> float:
-    return _positive_number(text, "seconds")
-
-
-def parse_device(text: str) -> torch.device:
-    """cpu, cuda or cuda:N -- and it must exist on this machine."""
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda or cuda:N)") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise argparse.ArgumentTypeError(f"{text!r} is not supported (cpu, cuda or cuda:N)")
-    if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU is usable here (torch {torch.__version__}, "
-                                         f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise argparse.ArgumentTypeError(f"{text}: this machine has {count} GPU(s) (cuda:0..cuda:{count - 1})")
-    return torch.device("cuda", device.index or 0)
 
 
 # ---------------------------------------------------------------- the parser
@@ -111,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
     check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
     check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
-    check.add_argument("--minutes", type=_minutes, metavar="M",
+    check.add_argument("--minutes", type=positive_minutes, metavar="M",
                        help="end each backend's run after M minutes (plus at most the case in progress)")
-    check.add_argument("--case-timeout", type=_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
+    check.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
                        help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
     check.add_argument("--report", metavar="PATH",
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
@@ -177,11 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mla-verify {ns.command}: internal error: {type(e).__name__}: {one_line(e)}{at} "
               f"(set {TRACEBACK_ENV}=1 for the traceback, and please report it)", file=sys.stderr)
         return EXIT_USAGE
-
-
-def one_line(e: BaseException) -> str:
-    """An error's message on one line, for stderr."""
-    return " ".join(str(e).split())
 
 
 def _version() -> str:
