@@ -141,7 +141,9 @@ def rotation_sets(set_bytes: int, l2_bytes: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ results
 @dataclass
-class CaseResult:
+class BenchRow:
+    """One (backend, case) of a benchmark run: whether and how it was timed, and what it came to."""
+
     backend: str
     key: str
     case: dict[str, Any]
@@ -166,9 +168,9 @@ class CaseResult:
 @dataclass
 class BenchResult:
     meta: dict[str, Any]
-    cases: list[CaseResult]
+    cases: list[BenchRow]
 
-    def timed(self) -> list[CaseResult]:
+    def timed(self) -> list[BenchRow]:
         return [c for c in self.cases if c.median_ms is not None]
 
     def to_json(self) -> dict[str, Any]:
@@ -178,7 +180,7 @@ class BenchResult:
     def from_json(cls, d: dict[str, Any]) -> "BenchResult":
         if d.get("schema") != SCHEMA:
             raise UsageError(f"not a benchmark result (schema {d.get('schema')!r}, expected {SCHEMA!r})")
-        return cls(d["meta"], [CaseResult(**c) for c in d["cases"]])
+        return cls(d["meta"], [BenchRow(**c) for c in d["cases"]])
 
     @classmethod
     def load(cls, path: str | Path) -> "BenchResult":
@@ -194,7 +196,7 @@ class BenchResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         paths = [out_dir / "bench.json", out_dir / "bench.csv", out_dir / "bench_gbps.svg"]
         paths[0].write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        columns = [f.name for f in fields(CaseResult) if f.name not in ("case", "samples_ms")]
+        columns = [f.name for f in fields(BenchRow) if f.name not in ("case", "samples_ms")]
         with paths[1].open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(list(DEFAULT_AXES) + columns)
@@ -274,14 +276,14 @@ def run_bench(backends: Sequence[Backend], grid: Sequence[BenchCase], device: to
 
 def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device, timer: Timer, seed: int,
               reference: bool, use_graphs: bool, l2: int, copy_bps: float | None,
-              log: Callable[[str], None]) -> list[CaseResult]:
+              log: Callable[[str], None]) -> list[BenchRow]:
     spec0 = case.spec(seed)
     base = dict(case=asdict(case), case_id=spec0.case_id(), bytes=case_bytes(spec0), flops=case_flops(spec0))
     rows, runnable = [], []
     for b in backends:
         layout, reason = pick_layout(b, spec0, device)
         if layout is None:
-            rows.append(CaseResult(b.name, case.key, status="skipped", reason=reason, **base))
+            rows.append(BenchRow(b.name, case.key, status="skipped", reason=reason, **base))
         else:
             runnable.append((b, layout))
     if not runnable:
@@ -291,7 +293,7 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
     ref, ref_s = timer.once(lambda: judge_reference(problems[0])) if reference \
         else (None, None)
     for b, layout in runnable:
-        row = CaseResult(b.name, case.key, status="ok", sets=n_sets, **base,
+        row = BenchRow(b.name, case.key, status="ok", sets=n_sets, **base,
                          reference_ms=None if ref_s is None else ref_s * 1e3)
         try:
             calls = [b.prepare(p, layout) for p in problems]
