@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,6 +203,41 @@ def test_malformed_record(tmp_path):
     meta["layout"] = {"cache_dims": 3, "bogus": 1}
     path.write_text(json.dumps(meta))
     _refused(path, "malformed record")
+
+
+def test_version_1_fixtures_still_load():
+    """The committed golden fixtures predate version 2: each holds its problem's tensors."""
+    golden = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "golden").glob("*.json"))
+    assert golden
+    for path in golden:
+        fx = load_fixture(path)
+        assert fx.meta["format_version"] == 1 and fx.problem is not None and fx.spec is not None
+
+
+def _spec_only(tmp_path):
+    spec = SPECS["bf16"]
+    return save_fixture(tmp_path, "case", build_problem(spec), {"spec": spec.to_json()}, store_problem=False)
+
+
+def test_a_spec_only_fixture_has_no_tensor_file_and_rebuilds_its_problem(tmp_path):
+    path = _spec_only(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case.json"]
+    problem, exact = load_fixture(path).problem_on("cpu")
+    assert exact is True and same_bits(problem.kv_cache, build_problem(SPECS["bf16"]).kv_cache)
+
+
+@pytest.mark.parametrize("damage,match", [("problem_tensors", "no spec with its problem's records"),
+                                          ("spec", "no spec with its problem's records"),
+                                          ("tensors", "no file holding them")])
+def test_a_spec_only_fixture_missing_its_records_is_refused(tmp_path, damage, match):
+    path = _spec_only(tmp_path)
+    meta = json.loads(path.read_text())
+    if damage == "tensors":
+        meta["tensors"] = {"kernel_out": {"dtype": "bfloat16", "shape": [1], "sha256": "0" * 64}}
+    else:
+        del meta[damage]
+    path.write_text(json.dumps(meta))
+    _refused(path, match)
 
 
 def test_check_writable_dir(tmp_path):
