@@ -24,12 +24,13 @@ from .engine import DEFAULT_KERNEL_SECONDS
 from .errors import MLAVerifyError, UsageError
 
 TRACEBACK_ENV = "MLA_VERIFY_TRACEBACK"  # set to 1 to see the traceback of an internal error
-DEFAULT_FIXTURES = Path("fixtures") / "regressions"
 
 
 # ---------------------------------------------------------------- the parser
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments, bench_command
+    from .failure import DEFAULT_FIXTURES_DIR
+    from .fixtures import DEFAULT_MAX_REPRODUCER_MIB
     from .profiles import PROFILES
 
     parser = OneLineParser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
@@ -56,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
     check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
                        help="example database shared between runs (fuzz profile)")
-    check.add_argument("--fixtures-dir", type=Path, default=DEFAULT_FIXTURES, metavar="DIR",
-                       help="where reproducers of failures go (default: %(default)s)")
+    check.add_argument("--fixtures-dir", type=Path, default=DEFAULT_FIXTURES_DIR, metavar="DIR",
+                       help="where reproducers of failures go (default: %(default)s, under the current directory)")
+    check.add_argument("--max-reproducer-mib", type=non_negative_int, default=DEFAULT_MAX_REPRODUCER_MIB,
+                       metavar="MIB", help="cap on a reproducer's two files, in MiB: the kernel's output, and a "
+                       "problem its spec cannot rebuild, are stored only within it (default: %(default)s)")
     check.set_defaults(func=cmd_check)
 
     replay = sub.add_parser("replay", help="re-run a reproducer fixture against the reference and its backend")
@@ -176,12 +180,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
     fixtures = {}
     for r in results:
         if r.failure is not None and r.failure.problem is not None:
-            saved = save_reproducer(ns.fixtures_dir, r.failure)
+            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib)
             if saved is not None:
                 fixtures[r.backend] = str(saved)
     for r in results:
         if r.failure is not None:
-            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend))))
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
     if report_path is not None:
         run = {"command": ns.command_line,
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
@@ -269,8 +273,10 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     print(f"replaying {fx.json_path} on {device}: {backend.name}")
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.layout.describe()}")
-    result = run_case(backend, fx.spec, fx.layout, device, fx.meta.get("metamorphic", "none"),
-                      problem=fx.problem.to(device))
+    problem, exact = fx.problem_on(device)
+    if fx.problem is None:
+        print(f"  problem: {_rebuilt(exact, fx.meta)}")
+    result = run_case(backend, fx.spec, fx.layout, device, fx.meta.get("metamorphic", "none"), problem=problem)
     for f in result.failures:
         print(f"  - {f}")
     for d in result.diagnosis:
@@ -290,16 +296,29 @@ def _replay_device(recorded: str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _rebuilt(exact: bool | None, meta: dict[str, Any]) -> str:
+    """How a problem rebuilt from its spec compares with the recorded one."""
+    if exact:
+        return "rebuilt from its spec, bit-identical to the recorded one"
+    if exact is None:
+        return (f"rebuilt from its spec on another device type than the recorded {meta.get('source_device')}: "
+                "the same shapes and lengths, other values")
+    recorded = (meta.get("versions") or {}).get("torch")
+    return (f"rebuilt from its spec, but not bit-identical to the recorded one (recorded with torch {recorded}, "
+            f"this is {torch.__version__}): the verdict is on another draw of the same case")
+
+
 def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | None, device: torch.device) -> None:
     """Whether the kernel reproduced its recorded output (and LSE) bit for bit."""
-    from .bits import same_bits
+    from .fixtures import kernel_output_records, tensor_record
 
-    if backend != recorded or "kernel_out" not in fx.tensors or result.out is None:
+    records = kernel_output_records(fx)
+    if backend != recorded or "out" not in records or result.out is None:
         return
-    pairs = [(fx.tensors["kernel_out"], result.out)]
-    if "kernel_lse" in fx.tensors and result.lse is not None:
-        pairs.append((fx.tensors["kernel_lse"], result.lse))
-    same = all(same_bits(stored, got.detach().cpu()) for stored, got in pairs)
+    pairs = [(records["out"], result.out)]
+    if "lse" in records and result.lse is not None:
+        pairs.append((records["lse"], result.lse))
+    same = all(tensor_record(got) == want for want, got in pairs)
     source = fx.meta.get("source_device", "cpu")
     where = "" if str(source).split(":")[0] == device.type else \
         f" (recorded on {source}: bit identity is not expected across device types)"

@@ -26,11 +26,10 @@ from .backends.base import Backend
 from .backends.user_kernel import kernel_backend, load_kernel
 from .engine import DEFAULT_SEED, EngineResult, verify
 from .errors import UsageError
-from .failure import failure_lines, save_reproducer
+from .failure import DEFAULT_FIXTURES_DIR, failure_lines, save_reproducer
 from .hypothesis_db import resolve_database
 from .profiles import Profile, get_profile
 
-DEFAULT_FIXTURES_DIR = Path("fixtures") / "regressions"
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,8 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
     if result.failure is not None:
         case = result.failure
         saved = save_reproducer(Path(fixtures_dir), case) if case.problem is not None else None
-        pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved))), pytrace=False)
+        pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved), Path(fixtures_dir))),
+                    pytrace=False)
     assert result.cases, f"no case was run for {backend.name}"
     return result
 

@@ -87,6 +87,8 @@ INVALID = {
     "report in a missing directory": ["check", "--kernel", GOOD, "--report", "{tmp}/missing/dir/r.json"],
     "report under a file": ["check", "--kernel", GOOD, "--report", "{tmp}/fx/case.json/r.json"],
     "fixtures dir under a file": ["check", "--kernel", GOOD, "--fixtures-dir", "{tmp}/fx/case.json/regressions"],
+    "negative reproducer cap": ["check", "--max-reproducer-mib", "-1"],
+    "non-numeric reproducer cap": ["check", "--max-reproducer-mib", "lots"],
     "report named .xml": ["check", "--kernel", GOOD, "--report", "{tmp}/r.xml"],
     "missing report to render": ["report", "{tmp}/nope.json"],
     "replay unknown option": ["replay", "--frobnicate", "x.json"],
@@ -175,12 +177,15 @@ def test_failure_writes_a_fixture_that_replays_bit_identically(capsys, tmp_path)
     path = re.search(r"reproducer: (\S+)", out).group(1)
     assert f"mla-verify replay {path}" in out
     assert Path(path).parent == fixtures_dir
+    assert f"reproducers go to {fixtures_dir}\n" in out  # not the default folder: said without "(the default"
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["backends"][0]["failure"]["fixture"] == path
 
     fx = load_fixture(path)
     assert fx.meta["backend"] == BAD and fx.meta["verdict"] == "fail"
-    again = run_case(load_kernel(BAD), fx.spec, fx.layout, "cpu", fx.meta["metamorphic"], problem=fx.problem)
+    assert fx.problem is None  # a drawn problem: rebuilt from its spec
+    again = run_case(load_kernel(BAD), fx.spec, fx.layout, "cpu", fx.meta["metamorphic"],
+                     problem=fx.problem_on("cpu")[0])
     assert again.verdict == "fail"
     assert same_bits(fx.tensors["kernel_out"], again.out)
     if again.lse is not None:
