@@ -70,7 +70,7 @@ class KernelContract:
 
 @dataclass
 class PagedArgs:
-    """One paged MLA decode call in Contract 1's terms (DESIGN.md)."""
+    """One paged MLA decode call in Contract 1's terms (docs/contracts.md)."""
 
     query: torch.Tensor  # [B, q_len, H, L + R]
     kv_cache: torch.Tensor  # as the kernel receives it: [P, page, D] or [P, 1, page, D]

@@ -1,6 +1,6 @@
 """How shadow mode reads each entry point's live call: its bound arguments -> a ``LiveCall`` in Contract 1's terms.
 
-- any Contract-1 kernel (DESIGN.md) registered with the shadow: its declared envelope, if any, is its contract;
+- any Contract-1 kernel (docs/contracts.md) registered with the shadow: its declared envelope, if any, is its contract;
 - ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` (FlashInfer 0.7.x): Contract 1 plus ``backend=``,
   ``return_lse_base=`` and the forms the reference does not compute (sparse, compact variable-q, sinks, ...),
   which are counted as seen but not checked;
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
