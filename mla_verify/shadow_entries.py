@@ -20,6 +20,7 @@ import torch
 
 from .backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
 from .backends.trtllm_style import split_lse
+from .bits import same_bits
 from .shadow_contract import ERROR, WARNING, Finding, KernelContract, PagedArgs
 
 Canonical = Callable[[Any], "tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]"]
@@ -99,16 +100,10 @@ def result_parts(result: Any, out_buffer: torch.Tensor | None, return_lse: bool,
         found.append(Finding(ERROR, "out", f"the kernel wrote `out` in place but returned {type(result).__name__}: "
                              "a caller that uses the return value gets no output"))
         return out_buffer, lse, found
-    if out.data_ptr() != out_buffer.data_ptr() and not _same_bits(out, out_buffer):
+    if out.data_ptr() != out_buffer.data_ptr() and not same_bits(out, out_buffer):
         found.append(Finding(ERROR, "out", "the kernel returned a new tensor and left the `out` buffer without its "
                              "result: a caller that reads its `out` buffer sees stale values"))
     return out, lse, found
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes (a NaN equals the same NaN)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                                                     b.contiguous().view(torch.uint8))
 
 
 def read_contract1(values: Mapping[str, Any], contract: KernelContract, replay: str | None,
