@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run_record import LOAD_HEADER, load_cells, machine_line, machine_record, measured
+
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.engine import verify
 from mla_verify.harness import CaseResult
 from mla_verify.mutants import MUTANTS, FaultyKernel, correct_kernel
-from run_record import LOAD_HEADER, load_cells, machine_line, machine_record, measured
 
 
 def time_to_catch(fn: FaultyKernel, device: str, profile: str) -> dict[str, Any]:

@@ -12,9 +12,10 @@ import platform
 import resource
 import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mla_verify.platform import platform_info
 

@@ -17,7 +17,7 @@ import datetime
 import io
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -58,7 +58,8 @@ def probe(name: str, n: int, device: torch.device) -> list[dict]:
             torch.cuda.synchronize()
         ref64 = reference_decode(problem, torch.float64).out
         row = {"spec": spec.describe(), "kernel": errors(out, ref64),
-               "fast_ref": errors(reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem)).out, ref64),
+               "fast_ref": errors(reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem)).out,
+                                  ref64),
                "fp32_ref": errors(reference_decode(problem, torch.float32).out, ref64)}
         for k, v in baselines(problem, spec.dtype).items():
             row[k] = errors(v, ref64)

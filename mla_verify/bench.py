@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -22,9 +23,10 @@ import random
 import statistics
 import sys
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -32,10 +34,10 @@ from .backends import Backend, requested_backends
 from .bench_timing import CudaTimer, Timer, WallClockTimer
 from .cli_args import OneLineParser, non_negative_int, one_line, parse_device, positive_int
 from .errors import MLAVerifyError, UsageError
-from .generate import DTYPES, ProblemSpec, build_problem
-from .layouts import LayoutSpec
 from .fixtures import check_writable_dir, library_versions
+from .generate import DTYPES, ProblemSpec, build_problem
 from .harness import judge_reference
+from .layouts import LayoutSpec
 
 SCHEMA = "mla-verify-bench/1"
 # Default gate: 10% slower. Two runs of the same grid agree within 5% per case (3.4% on an H200,
@@ -91,7 +93,7 @@ DEFAULT_AXES: dict[str, tuple[Any, ...]] = {
 GRIDS = {"default": DEFAULT_AXES, "anchor": {k: (getattr(ANCHOR, k),) for k in DEFAULT_AXES}}
 
 
-def make_grid(axes: dict[str, Sequence[Any]]) -> list[BenchCase]:
+def make_grid(axes: Mapping[str, Sequence[Any]]) -> list[BenchCase]:
     """Every combination of the axis values (the anchor case is one of the default grid's)."""
     names = [f.name for f in fields(BenchCase)]
     return [BenchCase(**dict(zip(names, values))) for values in itertools.product(*(axes[n] for n in names))]
@@ -177,13 +179,13 @@ class BenchResult:
         return {"schema": SCHEMA, "meta": self.meta, "cases": [asdict(c) for c in self.cases]}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "BenchResult":
+    def from_json(cls, d: dict[str, Any]) -> BenchResult:
         if d.get("schema") != SCHEMA:
             raise UsageError(f"not a benchmark result (schema {d.get('schema')!r}, expected {SCHEMA!r})")
         return cls(d["meta"], [BenchRow(**c) for c in d["cases"]])
 
     @classmethod
-    def load(cls, path: str | Path) -> "BenchResult":
+    def load(cls, path: str | Path) -> BenchResult:
         try:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -247,13 +249,13 @@ def pick_layout(backend: Backend, spec: ProblemSpec, device: torch.device) -> tu
 def default_timer(device: torch.device, samples: int | None = None) -> Timer:
     if device.type == "cuda":
         return CudaTimer(device, **({"samples": samples} if samples else {}))
-    return WallClockTimer(**({"samples": samples} if samples else {}))
+    return WallClockTimer(samples=samples) if samples else WallClockTimer()
 
 
 def run_bench(backends: Sequence[Backend], grid: Sequence[BenchCase], device: torch.device | str, *,
               timer: Timer | None = None, seed: int = 0, reference: bool = True, use_graphs: bool = True,
               log: Callable[[str], None] = lambda s: None,
-              checkpoint: Callable[[BenchResult], None] | None = None) -> BenchResult:
+              checkpoint: Callable[[BenchResult], object] | None = None) -> BenchResult:
     """Time every backend on every grid case it can run; ``timer`` defaults to CUDA graphs/events on a GPU.
 
     ``checkpoint`` gets the partial result (``meta["complete"]`` False) after every case, so a run cut short
@@ -278,7 +280,8 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
               reference: bool, use_graphs: bool, l2: int, copy_bps: float | None,
               log: Callable[[str], None]) -> list[BenchRow]:
     spec0 = case.spec(seed)
-    base = dict(case=asdict(case), case_id=spec0.case_id(), bytes=case_bytes(spec0), flops=case_flops(spec0))
+    base: dict[str, Any] = dict(case=asdict(case), case_id=spec0.case_id(), bytes=case_bytes(spec0),
+                                flops=case_flops(spec0))
     rows, runnable = [], []
     for b in backends:
         layout, reason = pick_layout(b, spec0, device)
@@ -290,7 +293,7 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
         return rows
     n_sets = rotation_sets(base["bytes"], l2)
     problems = [build_problem(case.spec(seed, i), device) for i in range(n_sets)]
-    ref, ref_s = timer.once(lambda: judge_reference(problems[0])) if reference \
+    ref, ref_s = timer.once(functools.partial(judge_reference, problems[0])) if reference \
         else (None, None)
     for b, layout in runnable:
         row = BenchRow(b.name, case.key, status="ok", sets=n_sets, **base,
@@ -397,7 +400,8 @@ def compare_results(current: BenchResult, baseline: BenchResult, threshold: floa
     if current.meta.get("seed") != baseline.meta.get("seed"):
         raise UsageError(f"the runs used different seeds ({baseline.meta.get('seed')} vs "
                          f"{current.meta.get('seed')}): their ragged lengths differ, so cases do not match")
-    deltas = [Delta(k[0], k[1], base[k].median_ms, cur[k].median_ms) for k in base if k in cur]
+    deltas = [Delta(k[0], k[1], cast(float, base[k].median_ms), cast(float, cur[k].median_ms))  # timed: not None
+              for k in base if k in cur]
     if not deltas:
         raise UsageError("no timed case in common with the baseline (same backends, grid and seed?)")
     return Comparison(deltas, threshold, [" ".join(k) for k in base if k not in cur],

@@ -16,7 +16,7 @@ COLORS = ("#4472c4", "#ed7d31", "#70ad47", "#a5a5a5", "#ffc000", "#5b9bd5", "#70
 BAR, GAP, LABEL_W, PLOT_W, TOP = 9, 6, 230, 640, 46
 
 
-def write_svg(result: "BenchResult", path: Path) -> None:
+def write_svg(result: BenchResult, path: Path) -> None:
     rows = result.timed()
     backends = list(dict.fromkeys(c.backend for c in rows))
     keys = list(dict.fromkeys(c.key for c in rows))

@@ -8,11 +8,13 @@ injectable so the timing loop itself can be tested on a CPU with a fake clock.
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -102,7 +104,7 @@ class CudaTimer:
             samples = [self._block(armed.launch, reps) / (reps * armed.calls) for _ in range(self.samples)]
         return Timing(armed.method, samples, armed.note)
 
-    def _block(self, launch: Callable[[], None], reps: int) -> float:
+    def _block(self, launch: Callable[[], object], reps: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         start.record()
@@ -127,7 +129,7 @@ class CudaTimer:
             dst = torch.empty_like(src)
             src.fill_(1)
             dst.copy_(src)
-            seconds = statistics.median(self._block(lambda: dst.copy_(src), 1) for _ in range(self.samples))
+            seconds = statistics.median(self._block(functools.partial(dst.copy_, src), 1) for _ in range(self.samples))
             del src, dst
             torch.cuda.empty_cache()
         return 2 * nbytes / seconds

@@ -13,13 +13,25 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from .cli_args import (EXIT_DISCREPANCY, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, OneLineParser, non_negative_int,
-                       one_line, parse_device, positive_int, positive_minutes, positive_seconds)
+from .cli_args import (
+    EXIT_DISCREPANCY,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    OneLineParser,
+    non_negative_int,
+    one_line,
+    parse_device,
+    positive_int,
+    positive_minutes,
+    positive_seconds,
+)
 from .engine import DEFAULT_KERNEL_SECONDS
 from .errors import MLAVerifyError, UsageError
 
@@ -132,9 +144,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from .engine import verify
     from .failure import failure_lines, save_reproducer
     from .fixtures import check_writable_dir
-    from .progress import Progress
     from .hypothesis_db import resolve_database
     from .profiles import get_profile
+    from .progress import Progress
     from .report import build_report, check_report_path, write_report
     from .selfcheck import reference_selfcheck
 
@@ -249,7 +261,7 @@ def _platform_line() -> str:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(ns: argparse.Namespace) -> int:
-    from .backends import get_backend
+    from .backends import Backend, get_backend
     from .backends.user_kernel import load_kernel
     from .errors import FixtureError
     from .fixtures import load_fixture
@@ -259,10 +271,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if fx.spec is None:
         raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")
     recorded = fx.meta.get("backend")
+    name = ns.backend or recorded
+    backend: Backend
     if ns.kernel:
         backend = load_kernel(ns.kernel)
-    elif ns.backend or recorded:
-        name = ns.backend or recorded
+    elif name:
         backend = load_kernel(name) if ":" in name else get_backend(name)  # a --kernel run records MODULE:ATTR
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
@@ -386,10 +399,11 @@ def envelope_summary(env: Any) -> str:
             return anything
         v = sorted(values)
         runs, start = [], v[0]
-        for a, b in zip(v, v[1:] + [None]):
+        for a, b in zip(v, [*v[1:], None]):
             if b != a + 1:
                 runs.append(str(start) if start == a else f"{start}-{a}")
-                start = b
+                if b is not None:
+                    start = b
         return ",".join(runs)
 
     archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)

@@ -48,7 +48,7 @@ class ErrorStats:
     baseline_max_abs: float  # the same-precision baseline's errors, for the record
     baseline_rel_l2: float
     cos_diff: float  # 1 - 2<out, ref> / (|out|^2 + |ref|^2), FlashMLA's measure
-    worst: tuple[int, int, int, int]  # (batch, token, head, dim) of the largest |out - ref|
+    worst: tuple[int, ...]  # (batch, token, head, dim) of the largest |out - ref|
     lse_max_abs: float | None = None
     allowed_lse_abs: float | None = None
     nonfinite: int = 0  # inf/NaN elements of out (left out of the errors above; any is a failure)
@@ -140,7 +140,8 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
 def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
                  failures: list[str]) -> None:
     if tuple(lse.shape) != tuple(ref.lse.shape):
-        failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} (after [B*q_len, H] -> [B, q_len, H])")
+        failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} "
+                        "(after [B*q_len, H] -> [B, q_len, H])")
         return
     got = lse.detach().to(torch.float64) * math.log(base)  # to natural log
     want = ref.lse.to(torch.float64).to(got.device)

@@ -24,8 +24,9 @@ is wrong (localize.py); any error inside becomes one "diagnosis failed: ..." lin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -136,12 +137,13 @@ def _causal_off(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None
     return None if out is None else out.view(B, Q, H, -1)
 
 
-def _table(fn: Callable[[DecodeProblem], "torch.Tensor | None"]) -> Recompute:
+def _table(fn: Callable[[DecodeProblem], torch.Tensor | None]) -> Recompute:
     def recompute(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
         table = fn(p)
         used = p.used_entries()
-        same = table is None or torch.equal(torch.where(used, table, 0), torch.where(used, p.block_table, 0))
-        return None if same else _solve(replace(p, block_table=table.to(torch.int32)))
+        if table is None or torch.equal(torch.where(used, table, 0), torch.where(used, p.block_table, 0)):
+            return None
+        return _solve(replace(p, block_table=table.to(torch.int32)))
     return recompute
 
 
@@ -172,12 +174,15 @@ CATALOG: dict[str, tuple[str, Recompute]] = {
        for s in PAGE_SIZES},
     "length_minus_1": ("attends to seq_len - 1 tokens", _length(lambda n, page: n - 1)),
     "length_plus_1": ("attends to seq_len + 1 tokens", _length(lambda n, page: n + 1)),
-    "partial_page_dropped": ("drops the last partial page (whole pages only)", _length(lambda n, page: n // page * page)),
-    "full_page_read": ("reads past seq_len to the end of the last page", _length(lambda n, page: -(-n // page) * page)),
+    "partial_page_dropped": ("drops the last partial page (whole pages only)",
+                             _length(lambda n, page: n // page * page)),
+    "full_page_read": ("reads past seq_len to the end of the last page",
+                       _length(lambda n, page: -(-n // page) * page)),
     "scale_1_sqrt_576": ("uses softmax scale 1/sqrt(576) instead of bmm1_scale", _bmm1(lambda p: 1 / math.sqrt(576))),
     "scale_1_sqrt_192": ("uses a fixed 1/sqrt(qk_nope + qk_rope) instead of bmm1_scale (YaRN / fp8 scales dropped)",
                          _bmm1(lambda p: 1 / math.sqrt(p.dims.qk_nope_head_dim + p.dims.qk_rope_head_dim))),
-    "yarn_mscale_missing": ("bmm1_scale lacks DeepSeek-R1's YaRN mscale^2", _bmm1(lambda p: p.bmm1_scale / R1_MSCALE_SQ)),
+    "yarn_mscale_missing": ("bmm1_scale lacks DeepSeek-R1's YaRN mscale^2",
+                            _bmm1(lambda p: p.bmm1_scale / R1_MSCALE_SQ)),
     "yarn_mscale_twice": ("bmm1_scale has DeepSeek-R1's YaRN mscale^2 applied twice",
                           _bmm1(lambda p: p.bmm1_scale * R1_MSCALE_SQ)),
     "bmm2_missing": ("ignores bmm2_scale", _bmm2(0)),
@@ -242,7 +247,7 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
 
 def diagnose_safely(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None = None,
                     lse_base: float = 2.0, truth: ReferenceResult | None = None,
-                    rerun: "Rerun | None" = None) -> list[str]:
+                    rerun: Rerun | None = None) -> list[str]:
     """The catalog's explanations of a failing output, else localize.py's lines on where it is wrong; never
     raises (but KeyboardInterrupt): an error inside is reported as one line, the verdict stands without it.
     ``rerun`` runs the kernel on another problem (localize.py uses it to tell where a NaN comes from)."""

@@ -24,7 +24,7 @@ class MLADims:
         """Width of one absorbed query / cache row: latent then rope (576 for DeepSeek-V3)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def with_heads(self, num_heads: int) -> "MLADims":
+    def with_heads(self, num_heads: int) -> MLADims:
         """The same layer with its heads split by tensor parallelism."""
         return replace(self, num_heads=num_heads)
 

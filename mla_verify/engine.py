@@ -13,11 +13,12 @@ every attempt would hang too). Ctrl-C ends the search and returns what was judge
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-from hypothesis import given, seed as hypothesis_seed, target
+from hypothesis import given, target
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
@@ -190,7 +191,7 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
 
     # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
     # so runners sharing a database replay each other's failures for that backend.
-    search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()
+    search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()  # type: ignore[attr-defined]
     if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
         search = hypothesis_seed(seed)(search)
     try:

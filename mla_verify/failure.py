@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 DEFAULT_FIXTURES_DIR = Path("fixtures") / "regressions"  # under the current directory
 
 
-def save_reproducer(directory: Path, case: "CaseResult", max_mib: int | None = None) -> Path | None:
+def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = None) -> Path | None:
     """The minimal failing case as a fixture of at most ``max_mib`` MiB (default
     fixtures.DEFAULT_MAX_REPRODUCER_MIB; fixtures.write_reproducer: its spec, layout and verdict, the kernel's
     output summarised, tensors only where the spec cannot rebuild them). None (said on stderr) when it cannot
@@ -35,7 +35,7 @@ def save_reproducer(directory: Path, case: "CaseResult", max_mib: int | None = N
     return saved.path
 
 
-def failure_lines(case: "CaseResult", fixture: str | None, directory: Path | None = None) -> list[str]:
+def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None = None) -> list[str]:
     """The FAIL block: the first failure, the case, every failure, the diagnosis, the reproducer (its size) and,
     when a reproducer was to be written into ``directory``, the folder reproducers go to."""
     from .fixtures import fixture_paths

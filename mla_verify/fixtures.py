@@ -98,7 +98,7 @@ def fixture_paths(path: str | os.PathLike) -> tuple[Path, Path]:
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in row-major order (dtype and shape are recorded beside it)."""
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy()).hexdigest()
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 def tensor_record(t: torch.Tensor) -> dict[str, Any]:
@@ -108,11 +108,13 @@ def tensor_record(t: torch.Tensor) -> dict[str, Any]:
 
 def tensor_summary(t: torch.Tensor) -> dict[str, Any]:
     """``tensor_record`` plus what a reader of the JSON wants to know of a tensor it does not hold."""
-    x = t.detach().double()
+    x = t.detach()
     finite = x[torch.isfinite(x)]
-    stats = {"finite": int(finite.numel()), "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
-    if finite.numel():
-        stats.update(min=float(finite.min()), max=float(finite.max()), mean=float(finite.mean()))
+    stats: dict[str, Any] = {"finite": finite.numel(), "nan": int(torch.isnan(x).sum()),
+                             "inf": int(torch.isinf(x).sum())}
+    if finite.numel():  # the mean summed in float64 without a float64 copy of the tensor
+        stats.update(min=float(finite.min()), max=float(finite.max()),
+                     mean=float(finite.sum(dtype=torch.float64)) / finite.numel())
     return {**tensor_record(t), **stats}
 
 
@@ -237,7 +239,8 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
         layout = LayoutSpec(**meta.get("layout", {}))
         problem = None
         if stored:
-            problem = DecodeProblem(*(tensors.pop(n) for n in PROBLEM_TENSORS), MLADims(**meta["dims"]),
+            query, kv_cache, block_table, seq_lens = (tensors.pop(n) for n in PROBLEM_TENSORS)
+            problem = DecodeProblem(query, kv_cache, block_table, seq_lens, MLADims(**meta["dims"]),
                                     float(meta["bmm1_scale"]), float(meta["bmm2_scale"]), meta.get("max_seq_len"),
                                     meta.get("window_left"))
             problem.validate()
@@ -259,7 +262,8 @@ def _read_tensors(tensors_path: Path, json_path: Path, meta: dict[str, Any]) -> 
     try:
         data = tensors_path.read_bytes()
     except FileNotFoundError:
-        raise FixtureError(f"{tensors_path}: missing (its JSON exists: a half-written or partly copied fixture)") from None
+        raise FixtureError(f"{tensors_path}: missing (its JSON exists: a half-written or partly copied "
+                           "fixture)") from None
     except OSError as e:
         raise FixtureError(f"{tensors_path}: cannot read: {e.strerror}") from None
     _check_safetensors_framing(tensors_path, data)

@@ -77,7 +77,7 @@ class ProblemSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "ProblemSpec":
+    def from_json(cls, d: dict) -> ProblemSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields
         if unknown:
@@ -90,7 +90,7 @@ class ProblemSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> str:
-        lens = list(self.seq_lens)
+        lens: list[int | str] = list(self.seq_lens)
         shown = lens if len(lens) <= 8 else lens[:6] + ["..."] + lens[-1:]
         return (f"B={self.batch} H={self.num_heads} q_len={self.q_len} page={self.page_size} "
                 f"dims=({self.kv_lora_rank},{self.qk_rope_head_dim}) {self.dtype} seq_lens={shown} "

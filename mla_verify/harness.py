@@ -22,8 +22,9 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -170,6 +171,7 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
         if (not failures and transform == "none") or differed:
             with stage("repeat"):  # the very same call again: the same prepared arguments
                 repeat: list[str] = []
+                assert prepared is not None  # there is an output to repeat
                 _check_repeatable(prepared, problem, out, lse, repeat, limit, "none")
                 failures[:0] = repeat  # nondeterminism, if seen, is the first failure: it explains the rest
     if failures:

@@ -22,8 +22,8 @@ Three questions, each answered by the simplest rule that fits:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 import torch
 

@@ -6,8 +6,8 @@ request needs, only where its pages live, how wide its table is, its slot in the
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 

@@ -16,8 +16,9 @@ Each mutant is importable as ``mla_verify.mutants:<name>`` (``--kernel``), and u
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ class FaultyKernel:
     def __repr__(self) -> str:
         return f"FaultyKernel({self.__name__})"
 
-    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, workspace_buffer: torch.Tensor,
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, workspace_buffer: torch.Tensor | None,
                  qk_nope_head_dim: int, kv_lora_rank: int, qk_rope_head_dim: int, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
                  bmm1_scale: float = 1.0, bmm2_scale: float = 1.0, return_lse: bool = False,

@@ -77,7 +77,7 @@ class DecodeProblem:
         """[B, W] bool: the block-table entries that hold pages (the rest is padding)."""
         return used_entries(self.seq_lens, self.page_size, self.block_table.shape[1])
 
-    def validate(self) -> "DecodeProblem":
+    def validate(self) -> DecodeProblem:
         """Raise ProblemError (one line, naming the field) if the problem is malformed; return self."""
         d = self.dims
         width = d.head_dim_qk
@@ -124,7 +124,7 @@ class DecodeProblem:
                     f"must be a finite number, got {v!r}")
         return self
 
-    def to(self, device: torch.device | str) -> "DecodeProblem":
+    def to(self, device: torch.device | str) -> DecodeProblem:
         """The same problem with every tensor on ``device``."""
         return DecodeProblem(self.query.to(device), self.kv_cache.to(device), self.block_table.to(device),
                              self.seq_lens.to(device), self.dims, self.bmm1_scale, self.bmm2_scale, self.max_seq_len,

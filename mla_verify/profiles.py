@@ -9,9 +9,9 @@ dev       a quick look.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.configuration import set_hypothesis_home_dir

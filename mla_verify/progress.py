@@ -34,7 +34,7 @@ class Progress:
         self._done = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="mla-verify-progress", daemon=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._beat.start()
         return self
 

@@ -15,9 +15,10 @@ profile's corner cases, so ``pytest -n N`` spreads one kernel's work over N work
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,6 @@ from .errors import UsageError
 from .failure import DEFAULT_FIXTURES_DIR, failure_lines, save_reproducer
 from .hypothesis_db import resolve_database
 from .profiles import Profile, get_profile
-
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action = "append" if name == "backend" else "store"
         group.addoption(flag, dest="mla_" + name, action=action, default=None, metavar=metavar,
                         help=f"{help_text}; env MLA_VERIFY_{name.upper()}, ini mla_{name}")
-        parser.addini("mla_" + name, help_text, type="linelist" if name == "backend" else "string")
+        kind: Literal["linelist", "string"] = "linelist" if name == "backend" else "string"
+        parser.addini("mla_" + name, help_text, type=kind)
 
 
 def _raw(config: pytest.Config, name: str) -> Any:
@@ -202,6 +204,7 @@ class KernelItem(pytest.Item):
     def runtest(self) -> None:
         options = self.config.stash[_OPTIONS_KEY]
         device = torch.device(worker_assignment(self.config).run_device)
+        assert options.kernel is not None  # this item is collected only for --mla-kernel
         verify_backend(load_kernel(options.kernel, "--mla-kernel"), **options.verify_options(device, self.shard))
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
@@ -267,7 +270,7 @@ class DeviceTally:
             return
         if report.when == "call" or (report.when == "setup" and not report.passed):
             outcome = "error" if report.when == "setup" and report.failed else report.outcome
-            self.counts[(props["mla_worker"], props["mla_device"], outcome)] += 1
+            self.counts[(str(props["mla_worker"]), str(props["mla_device"]), outcome)] += 1
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.counts:
@@ -276,9 +279,9 @@ class DeviceTally:
                 terminalreporter.write_line(line)
 
 
-def summary_lines(counts: "Counter[tuple[str, str, str]]") -> list[str]:
+def summary_lines(counts: Counter[tuple[str, str, str]]) -> list[str]:
     """One line per worker (its device and outcomes), then one per device (its tests and how many workers)."""
-    def detail(outcomes: "Counter[str]") -> str:
+    def detail(outcomes: Counter[str]) -> str:
         return ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
 
     per_worker: dict[tuple[str, str], Counter[str]] = {}

@@ -12,9 +12,10 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterable
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
 from .fixtures import check_writable_dir
@@ -404,7 +405,7 @@ def to_html(blocks: Iterable[Block]) -> str:
 
 
 # ---------------------------------------------------------------- the record
-def distinct_cases(result: "EngineResult") -> list["CaseResult"]:
+def distinct_cases(result: EngineResult) -> list[CaseResult]:
     """Each case id once, as first judged: a shrinking search revisits cases and the failure repeats one."""
     first: dict[str, CaseResult] = {}
     for c in [*result.cases, *([result.failure] if result.failure is not None else [])]:
@@ -418,7 +419,7 @@ def count_verdicts(verdicts: Iterable[str]) -> dict[str, int]:
     return {v: counts[v] for v in ("pass", "fail", "skip")}
 
 
-def build_report(run: dict[str, Any], results: list["EngineResult"], fixtures: dict[str, str],
+def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dict[str, str],
                  platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
     """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
 

@@ -21,15 +21,23 @@ import runpy
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Sequence
+from types import FrameType
+from typing import IO, Any
 
 import torch
 
 from .errors import MLAVerifyError, UsageError
 from .shadow_contract import ERROR, WARNING, Finding, KernelContract, ModelFacts
-from .shadow_entries import (LiveCall, bind_arguments, read_contract1, read_flashinfer_trtllm, read_flashmla,
-                             signature_of)
+from .shadow_entries import (
+    LiveCall,
+    bind_arguments,
+    read_contract1,
+    read_flashinfer_trtllm,
+    read_flashmla,
+    signature_of,
+)
 from .shadow_fixture import DEFAULT_CAP_MIB, keep_reproducer
 from .shadow_judge import Judgement, Precheck, explain, judge, precheck
 from .shadow_patch import Installed, install_function, install_method, uninstall
@@ -94,11 +102,11 @@ class _Stopwatch:
             self.seconds += time.perf_counter() - started
 
 
-_SESSIONS: list["ShadowSession"] = []
+_SESSIONS: list[ShadowSession] = []
 _LOCK = threading.RLock()
 
 
-def current_session() -> "ShadowSession | None":
+def current_session() -> ShadowSession | None:
     return _SESSIONS[-1] if _SESSIONS else None
 
 
@@ -133,13 +141,13 @@ class ShadowSession:
         self.installed: list[Installed] = []
 
     # ---------------------------------------------------------------- lifetime
-    def __enter__(self) -> "ShadowSession":
+    def __enter__(self) -> ShadowSession:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self) -> "ShadowSession":
+    def start(self) -> ShadowSession:
         with _LOCK:
             for entry in [*_library_entries(self.tally.notes), *self.kernels]:
                 self._install(entry)
@@ -195,14 +203,15 @@ class ShadowSession:
             read = self._guarded(tally, lambda: self._precheck(entry, args, kwargs))
             if read is None:
                 return kernel.run(entry.original, args, kwargs)
-            return self._checked(entry, site, tally, *read, kernel, args, kwargs)
+            call, pre = read
+            return self._checked(entry, site, tally, call, pre, kernel, args, kwargs)
         finally:
             overhead = time.perf_counter() - started - kernel.seconds
             tally.overhead_s += overhead
             self.sampler.charge(overhead)
 
     def _checked(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
-                 kernel: "_Stopwatch", args: tuple, kwargs: dict) -> Any:
+                 kernel: _Stopwatch, args: tuple, kwargs: dict) -> Any:
         tally.checked += 1
         if pre.blocking and self.mode == "strict":
             self._conclude(entry, site, tally, call, pre, Judgement(), stopped=True)  # raises
@@ -333,7 +342,7 @@ def _add_note(exc: BaseException, note: str) -> None:
 def caller_site() -> str:
     """file:line of the first frame outside shadow mode and the libraries it wraps."""
     libraries = _library_dirs()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename in _OWN_FILES
                                  or frame.f_code.co_filename.startswith(libraries)):
         frame = frame.f_back

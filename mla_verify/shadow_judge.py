@@ -15,8 +15,16 @@ from .errors import ProblemError
 from .harness import judge_reference
 from .layouts import LayoutSpec
 from .problem import DecodeProblem
-from .shadow_contract import (ERROR, Finding, ModelFacts, check_envelope, check_layout, check_lengths, check_scales,
-                              validation_finding)
+from .shadow_contract import (
+    ERROR,
+    Finding,
+    ModelFacts,
+    check_envelope,
+    check_layout,
+    check_lengths,
+    check_scales,
+    validation_finding,
+)
 from .shadow_entries import LiveCall
 from .shadow_problem import describing_spec, dtype_name, live_layout, live_problem
 

@@ -9,9 +9,10 @@ says how many places were patched, and the session reports a kernel that no modu
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

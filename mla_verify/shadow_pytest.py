@@ -10,7 +10,7 @@ report of each call site are part of the terminal summary (under xdist, the work
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -39,7 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         group.addoption("--mla-" + name.replace("_", "-"), dest="mla_" + name, metavar=metavar, default=None,
                         action="append" if repeatable else "store",
                         help=f"{help_text}; env MLA_VERIFY_{name.upper()}, ini mla_{name}")
-        parser.addini("mla_" + name, help_text, type="linelist" if repeatable else "string")
+        kind: Literal["linelist", "string"] = "linelist" if repeatable else "string"
+        parser.addini("mla_" + name, help_text, type=kind)
 
 
 def _kernels(config: pytest.Config) -> list[str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 WINDOW_S = 60.0  # the overhead budget is per minute
 
@@ -22,7 +23,7 @@ class SiteTally:
     not_checked: Counter[str] = field(default_factory=Counter)  # reason -> calls
     overhead_s: float = 0.0
 
-    def merge(self, other: "SiteTally") -> None:
+    def merge(self, other: SiteTally) -> None:
         for name in ("calls", "checked", "compared", "mismatched", "errors", "warnings", "overhead_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.not_checked.update(other.not_checked)
@@ -31,7 +32,7 @@ class SiteTally:
         return {**{k: v for k, v in self.__dict__.items() if k != "not_checked"}, "not_checked": dict(self.not_checked)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SiteTally":
+    def from_json(cls, d: dict[str, Any]) -> SiteTally:
         return cls(**{**d, "not_checked": Counter(d.get("not_checked", {}))})
 
     def describe(self) -> str:
@@ -58,7 +59,7 @@ class Tally:
             total.merge(t)
         return total
 
-    def merge(self, other: "Tally") -> None:
+    def merge(self, other: Tally) -> None:
         for key, t in other.sites.items():
             self.site(*key).merge(t)
         self.notes += [n for n in other.notes if n not in self.notes]
@@ -69,7 +70,7 @@ class Tally:
                 "notes": list(self.notes), "reports": list(self.reports)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Tally":
+    def from_json(cls, d: dict[str, Any]) -> Tally:
         tally = cls()
         for entry, where, t in d.get("sites", []):
             tally.sites[(entry, where)] = SiteTally.from_json(t)

@@ -10,8 +10,9 @@ own ``bmm1_scale``/``bmm2_scale``. Ragged query lengths are seen but not checked
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class WrapperPlans:
     """The last plan of every live wrapper (weakly held: a dropped wrapper takes its plan with it)."""
 
     def __init__(self) -> None:
-        self._plans: "weakref.WeakKeyDictionary[Any, PlanRecord]" = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[Any, PlanRecord] = weakref.WeakKeyDictionary()
 
     def record(self, values: Mapping[str, Any]) -> None:
         wrapper = values["self"]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .engine import EngineResult
 
 
-def breakdown(result: "EngineResult") -> dict[str, Any]:
+def breakdown(result: EngineResult) -> dict[str, Any]:
     """Throughput and per-stage means (milliseconds per judged case) of one backend's run, JSON-ready."""
     judged = [c for c in result.cases if c.verdict != "skip"]
     distinct = len({c.id for c in judged})

@@ -7,8 +7,9 @@ reported as the smallest problem that still fails.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -114,7 +115,7 @@ NAMED_SOFTMAX = (None, R1_SOFTMAX_SCALE)
 NAMED_SCALES = (1.0, 0.5, 2.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.integers(lo, hi)
 
@@ -134,7 +135,7 @@ def _heads(draw: st.DrawFn, env: Envelope) -> int:
     return _pick(draw, named) if named and not draw(_BOOL) else _pick(draw, allowed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _head_choices(env: Envelope) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the TP and tile-edge head counts the envelope allows, every head count it allows)."""
     allowed = tuple(h for h in range(1, env.max_heads + 1) if env.allows_heads(h))
@@ -149,7 +150,7 @@ def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int, window: int | None = 
 
 @functools.lru_cache(maxsize=4096)
 def _edges(page: int, lo: int, hi: int, window: int | None = None) -> tuple[int, ...]:
-    near = (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
+    near: tuple[int, ...] = (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
     if window is not None:  # query token i sees window + 1 positions: lengths past window + lo are cut
         near += (window, window + 1, window + lo, window + lo + 1, window + page + 1)
     return tuple(sorted({e for e in near if lo <= e <= hi}))
@@ -276,8 +277,9 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
                       table_width=env.table_widths[-1], pass_out=env.pass_out[0], return_lse=env.lse)
     native = LayoutSpec(cache_dims=min(env.cache_dims), table_width=env.table_widths[0],
                         pass_out=env.pass_out[0], return_lse=env.lse)
-    r1 = dict(kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=env.dtypes[0], softmax_scale=R1_SOFTMAX_SCALE,
-              extra_pages=3, table_pad=2, pad_fill="oob", window_left=window)
+    r1: dict[str, Any] = dict(kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=env.dtypes[0],
+                              softmax_scale=R1_SOFTMAX_SCALE, extra_pages=3, table_pad=2, pad_fill="oob",
+                              window_left=window)
 
     def fit(lens: list[int]) -> tuple[int, ...]:
         """The last of ``lens``, as many as the largest batch size allowed takes (repeated up to the smallest)."""
@@ -288,7 +290,7 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
         return tuple(lens[-n:])
 
     def edges(page: int) -> tuple[int, ...]:
-        near = (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)
+        near: tuple[int, ...] = (q_hi, q_hi + 1, page - 1, page, page + 1, 2 * page + 3)
         if window is not None:
             near += (window, window + 1, window + q_hi, window + page + 1)
         return fit(sorted({max(q_hi, n) for n in near}))

@@ -2,10 +2,10 @@
 
 ``time_limit(seconds, what)`` arms SIGALRM around the call; its handler raises ``KernelTimeout`` in the main
 thread, which interrupts Python code and sleeps (a PyTorch kernel, a kernel stuck in a Python loop). A call
-stuck in native code never returns to the interpreter, so a daemon thread waits a grace period more (15 s; ``GRACE_ENV``), then
-prints one line naming the case and ends the process with exit code 1 (the discrepancy exit: a hung kernel
-fails the gate). Where SIGALRM cannot be used (not the main thread, no SIGALRM on the platform) the call
-runs unguarded. Import rule: the standard library only.
+stuck in native code never returns to the interpreter, so a daemon thread waits a grace period more (15 s;
+``GRACE_ENV``), then prints one line naming the case and ends the process with exit code 1 (the discrepancy
+exit: a hung kernel fails the gate). Where SIGALRM cannot be used (not the main thread, no SIGALRM on the
+platform) the call runs unguarded. Import rule: the standard library only.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 # after the limit: time for a native call to return before the process is ended (the environment variable
 # shortens it for tests and lengthens it for slow machines)

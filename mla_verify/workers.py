@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

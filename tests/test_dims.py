@@ -3,9 +3,17 @@ import math
 
 import pytest
 
+from mla_verify.dims import (
+    DEEPSEEK_V3,
+    MLA_256,
+    PRESETS,
+    R1_SOFTMAX_SCALE,
+    R1_YARN_FACTOR,
+    MLADims,
+    softmax_scale,
+    yarn_mscale,
+)
 from mla_verify.generate import ProblemSpec
-from mla_verify.dims import (DEEPSEEK_V3, MLA_256, PRESETS, R1_SOFTMAX_SCALE, R1_YARN_FACTOR, MLADims,
-                             softmax_scale, yarn_mscale)
 
 
 def test_deepseek_v3_scale_is_one_over_sqrt_192_not_576() -> None:

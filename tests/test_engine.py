@@ -1,11 +1,11 @@
 """Strategies stay inside envelope and budget; premerge is reproducible; failures shrink."""
-from hypothesis import given, settings, HealthCheck
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 from mla_verify.engine import verify
 from mla_verify.mutants import MUTANTS, correct_kernel
-from mla_verify.strategies import Budget, cases, corner_cases, budget_for
+from mla_verify.strategies import Budget, budget_for, cases, corner_cases
 
 NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8, 16), dtypes=("fp8",),
                                   q_len=(2, 3), cache_dims=(4,), page_strided=False, table_widths=("pad128",),

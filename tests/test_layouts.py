@@ -9,8 +9,18 @@ import torch
 
 from mla_verify.bits import same_bits
 from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import (LayoutSpec, canonical_cache, csr_metadata, csr_to_block_table, page_counts,
-                                padded_width, strided_pool, trtllm_args, used_entries, wrapper_args)
+from mla_verify.layouts import (
+    LayoutSpec,
+    canonical_cache,
+    csr_metadata,
+    csr_to_block_table,
+    padded_width,
+    page_counts,
+    strided_pool,
+    trtllm_args,
+    used_entries,
+    wrapper_args,
+)
 from mla_verify.problem import DecodeProblem
 
 # lengths cover a single token, a partial last page, an exact page multiple and several pages

@@ -5,21 +5,20 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+import faulty_kernels
 import pytest
 import torch
-
-import faulty_kernels
 from test_kill_matrix import shows_what_is_wrong
+
 from mla_verify import localize as localize_module
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.backends.user_kernel import load_kernel
-from mla_verify.diagnose import diagnose, diagnose_safely, explained
+from mla_verify.diagnose import WHERE, diagnose, diagnose_safely, explained
 from mla_verify.engine import verify
 from mla_verify.failure import failure_lines
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.harness import CaseResult, run_case
 from mla_verify.layouts import LayoutSpec
-from mla_verify.diagnose import WHERE
 from mla_verify.localize import localize
 from mla_verify.mutants import MUTANTS
 from mla_verify.problem import DecodeProblem

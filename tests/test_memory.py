@@ -58,8 +58,9 @@ def test_other_kernel_errors_still_fail():
     assert run_case(TrtllmStyleBackend("bad", raises), SPEC, LAYOUT, "cpu").verdict == "fail"
 
 
-@pytest.mark.parametrize("error, line", [(torch.OutOfMemoryError("no memory"), "diagnosis skipped: out of device memory"),
-                                         (NotImplementedError('"roll_cuda" not implemented'), "diagnosis failed: ")])
+@pytest.mark.parametrize("error, line", [
+    (torch.OutOfMemoryError("no memory"), "diagnosis skipped: out of device memory"),
+    (NotImplementedError('"roll_cuda" not implemented'), "diagnosis failed: ")])
 def test_diagnosis_errors_are_one_line_and_the_failure_stands(monkeypatch, error, line):
     import mla_verify.diagnose as diagnose
 

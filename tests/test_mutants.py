@@ -13,7 +13,7 @@ from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
-from mla_verify.mutants import MUTANTS, FaultyKernel, Faults, correct_kernel
+from mla_verify.mutants import MUTANTS, Faults, FaultyKernel, correct_kernel
 
 # The bug classes the suite promises at least one mutant for (docs/mutants.md).
 REQUIRED_CLASSES = {"softmax scale", "layout", "length", "page size", "causal mask", "LSE", "out buffer",
@@ -60,4 +60,4 @@ def test_registry_is_complete_and_importable() -> None:
         assert getattr(module, name) is m.fn and m.fn.faults != Faults(), name
     assert module.correct_kernel.faults == Faults()
     with pytest.raises(AttributeError):
-        getattr(module, "no_such_mutant")
+        getattr(module, "no_such_mutant")  # noqa: B009 - the lookup of a missing name is what raises

@@ -2,12 +2,11 @@
 helper and the fixture, reproducers and the replay command on failure, shards over xdist workers."""
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
-
 from cli_kernels import SMALL_ENVELOPE, WRONG_SCALE
+
 from mla_verify.backends.user_kernel import load_kernel
 from mla_verify.cli import main
 from mla_verify.engine import DEFAULT_SEED

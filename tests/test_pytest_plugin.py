@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from benchmark_tools import load_benchmark
+
 from mla_verify import pytest_plugin
 from mla_verify.workers import FAKE_GPU_ENV
 
@@ -49,8 +49,8 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     clean_env.setenv("MLA_VERIFY_SEED", "7")  # env beats ini
     clean_env.setenv("MLA_VERIFY_FIXTURES_DIR", "from-env")
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
-    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.mutants:correct_kernel', device=DeviceRequest('cpu'), "
-                "profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
+    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.mutants:correct_kernel', "
+                "device=DeviceRequest('cpu'), profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
                 "fixtures_dir=os.path.join(os.getcwd(), 'from-env'))")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     # -k: only the options check, not the kernel tests --mla-kernel adds

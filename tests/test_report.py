@@ -13,8 +13,17 @@ from mla_verify.errors import UsageError
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import CaseResult
 from mla_verify.layouts import LayoutSpec
-from mla_verify.report import (build_report, check_report_path, load_report, output_paths, render,
-                               scatter_svg, to_markdown, verdict_banner, write_report)
+from mla_verify.report import (
+    build_report,
+    check_report_path,
+    load_report,
+    output_paths,
+    render,
+    scatter_svg,
+    to_markdown,
+    verdict_banner,
+    write_report,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -117,7 +126,8 @@ def test_check_report_path(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the write probe is gone
     (tmp_path / "file").write_text("")
     (tmp_path / "dir.json").mkdir()
-    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"), (tmp_path / "file" / "r.json", "not a directory"),
+    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"),
+                       (tmp_path / "file" / "r.json", "not a directory"),
                        (tmp_path / "r.xml", "takes the JSON path"), (tmp_path / "dir.json", "is a directory")]:
         with pytest.raises(UsageError, match=match):
             check_report_path(str(bad))

@@ -15,8 +15,14 @@ import torch
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.cli import main
-from mla_verify.fixtures import (DEFAULT_MAX_REPRODUCER_MIB, fixture_paths, kernel_output_records, load_fixture,
-                                 tensor_record, write_reproducer)
+from mla_verify.fixtures import (
+    DEFAULT_MAX_REPRODUCER_MIB,
+    fixture_paths,
+    kernel_output_records,
+    load_fixture,
+    tensor_record,
+    write_reproducer,
+)
 from mla_verify.generate import ProblemSpec, build_problem
 
 TESTS = Path(__file__).resolve().parent

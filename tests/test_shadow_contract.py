@@ -12,8 +12,16 @@ from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.layouts import LayoutSpec, trtllm_args
 from mla_verify.reference import reference_decode
-from mla_verify.shadow_contract import (ERROR, WARNING, KernelContract, ModelFacts, PagedArgs, check_layout,
-                                        check_lengths, check_scales)
+from mla_verify.shadow_contract import (
+    ERROR,
+    WARNING,
+    KernelContract,
+    ModelFacts,
+    PagedArgs,
+    check_layout,
+    check_lengths,
+    check_scales,
+)
 from mla_verify.shadow_entries import LiveCall
 from mla_verify.shadow_judge import precheck
 from mla_verify.shadow_problem import compact, describing_spec, live_problem

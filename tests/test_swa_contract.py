@@ -15,8 +15,7 @@ import pytest
 import torch
 from oracles import sdpa_decode
 
-from mla_verify.backends import get_backend
-from mla_verify.backends import flashinfer_swa
+from mla_verify.backends import flashinfer_swa, get_backend
 from mla_verify.backends.flashinfer_swa import SWA_ENVELOPE, SWA_WINDOW, FlashInferSwaBackend
 from mla_verify.dims import MLADims
 from mla_verify.generate import ProblemSpec, build_problem

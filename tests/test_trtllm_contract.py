@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from mla_verify.backends import get_backend
-from mla_verify.backends import flashinfer_trtllm
+from mla_verify.backends import flashinfer_trtllm, get_backend
 from mla_verify.backends.cpu_peer import CPU_PEER_ENVELOPE, cpu_peer_decode
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend, make_workspace
 from mla_verify.generate import ProblemSpec, build_problem
@@ -115,8 +114,10 @@ def test_adapter_passes_exactly_the_contract_arguments(recorder: Recorder, spec:
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
 def test_flashinfer_python_validation_accepts_the_recorded_arguments(recorder: Recorder, spec: ProblemSpec,
                                                                      layout: LayoutSpec) -> None:
-    from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import (_prepare_trtllm_gen_mla_output,
-                                                                       _trtllm_gen_mla_incompatibility_reason)
+    from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import (
+        _prepare_trtllm_gen_mla_output,
+        _trtllm_gen_mla_incompatibility_reason,
+    )
     from flashinfer.mla._core import _check_mla_functional_shape, _prepare_mla_uniform_lse
 
     prepared = get_backend("trtllm-gen").prepare(build_problem(spec), layout)
@@ -139,8 +140,10 @@ def test_flashinfer_python_validation_accepts_the_recorded_arguments(recorder: R
 
 def test_flashinfer_validation_is_live() -> None:
     """The helpers above do reject what they should -- so their accepting our arguments means something."""
-    from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import (_prepare_trtllm_gen_mla_output,
-                                                                       _trtllm_gen_mla_incompatibility_reason)
+    from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import (
+        _prepare_trtllm_gen_mla_output,
+        _trtllm_gen_mla_incompatibility_reason,
+    )
     from flashinfer.mla._core import _check_mla_functional_shape
 
     q, kv = torch.zeros(2, 1, 16, 576), torch.zeros(4, 32, 576)

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from mla_verify.errors import UsageError
-from mla_verify.workers import (FAKE_GPU_ENV, DeviceRequest, SlotTable, assign_device, assign_worker,
-                                parse_device_request)
+from mla_verify.workers import (
+    FAKE_GPU_ENV,
+    DeviceRequest,
+    SlotTable,
+    assign_device,
+    assign_worker,
+    parse_device_request,
+)
 
 AUTO = DeviceRequest("auto")
 no_real_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="simulates GPUs, which needs a CPU-only host")

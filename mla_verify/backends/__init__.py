@@ -11,8 +11,8 @@ device or prepared), so the registry works on a CPU-only machine.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Sequence
 
 from ..errors import UsageError
 from .base import Backend, Envelope, PreparedCall

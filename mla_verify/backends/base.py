@@ -7,8 +7,9 @@ harness calls ``PreparedCall.invoke`` and maps the result to canonical form with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -67,7 +68,8 @@ class Envelope:
             ((spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims_for(spec.dtype),
              f"{spec.dtype} with dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) "
              f"(supported: {list(self.dims_for(spec.dtype))})"),
-            (self.q_len[0] <= spec.q_len <= self.q_len[1], f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
+            (self.q_len[0] <= spec.q_len <= self.q_len[1],
+             f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
             (self.q_lens is None or spec.q_len in self.q_lens, f"q_len {spec.q_len} (supported: {self.q_lens})"),
             (self.batch_sizes is None or spec.batch in self.batch_sizes,
              f"batch {spec.batch} (supported: {self.batch_sizes})"),
@@ -83,7 +85,7 @@ class Envelope:
         bad = [what for ok, what in checks if not ok]
         return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None
 
-    def narrowed(self, **changes: Any) -> "Envelope":
+    def narrowed(self, **changes: Any) -> Envelope:
         return replace(self, **changes)
 
 

@@ -16,8 +16,9 @@ Contract 1, and how they are bridged (docs/backends.md has the source references
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Literal
 
 import torch
 
@@ -68,7 +69,7 @@ def cutlass_preflight(name: str, spec: ProblemSpec, device: torch.device) -> Non
                                     output_dtype=q_dtype, output_scale="none", use_profiler=False)
 
 
-def _scale_mode(kv_dtype: torch.dtype) -> str:
+def _scale_mode(kv_dtype: torch.dtype) -> Literal["default", "kv-per-tensor"]:
     return "kv-per-tensor" if kv_dtype == FP8 else "default"
 
 
@@ -79,7 +80,8 @@ class WrapperPath:
     fi_backend: str
     envelope: Envelope
     description: str
-    layout: str = "split"  # plan's query_layout / kv_cache_layout; the run gets split views either way
+    # plan's query_layout / kv_cache_layout; the run gets split views either way
+    layout: Literal["packed", "split"] = "split"
     preflight: Preflight | None = None
 
 
@@ -150,7 +152,7 @@ class FlashInferWrapperBackend(Backend):
 # also takes no rope, (512, 0) (head_dim_kpe in multiples of 64 "including zero"); NO_ROPE_DIMS is not drawn
 # yet: its four JIT modules have not been built or run on a GPU (docs/backends.md).
 NO_ROPE_DIMS = (512, 0)
-_FA_COMMON = dict(devices=("cuda",), page_sizes=None, dims=((512, 64), (256, 64)),
+_FA_COMMON: dict[str, Any] = dict(devices=("cuda",), page_sizes=None, dims=((512, 64), (256, 64)),
                   dims_by_dtype=(("fp8", ((512, 64),)),), heads=None, max_heads=128,
                   dtypes=("bf16", "fp8"), q_len=(1, 16), cache_dims=(3,), page_strided=True,
                   table_widths=("native",), pass_out=(True, False), lse=True)

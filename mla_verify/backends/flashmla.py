@@ -26,8 +26,9 @@ import functools
 import importlib
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -5,13 +5,14 @@ peer and the mutants, so every one of them is called with exactly the arguments 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..layouts import LayoutSpec, trtllm_args
 from ..problem import DecodeProblem
-from .base import Backend, Envelope, LSE_BASE_2, PreparedCall
+from .base import LSE_BASE_2, Backend, Envelope, PreparedCall
 
 # trtllm-gen's documented envelope (FlashInfer 0.7.x), the default for any kernel with this convention.
 TRTLLM_ENVELOPE = Envelope(

@@ -16,8 +16,9 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import UsageError
 from ..generate import DTYPES
