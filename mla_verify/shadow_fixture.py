@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .fixtures import save_fixture, tensor_sha256
+from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, save_fixture, tensor_sha256
 from .layouts import LayoutSpec
 from .problem import DecodeProblem
 from .shadow_problem import compact, describing_spec
 
-DEFAULT_CAP_MIB = 16
+DEFAULT_CAP_MIB = DEFAULT_MAX_REPRODUCER_MIB  # one cap for every reproducer
 KIND = "shadow"
 
 
