@@ -33,6 +33,7 @@ import torch
 from .compare import LSE_ABS_TOL, LSE_REL_TOL
 from .dims import R1_YARN_FACTOR, yarn_mscale
 from .errors import ProblemError
+from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
 from .layouts import padded_width
 from .memory import is_out_of_memory, release_cached
 from .problem import FP8, DecodeProblem
@@ -42,23 +43,10 @@ from .tracebacks import exception_line
 if TYPE_CHECKING:
     from .localize import Rerun
 
-# rel L2 below which a recomputation explains the output. fp8: a careful fp8 kernel (fp8 probabilities)
-# reaches rel L2 ~3e-2 (compare.py), so it gets 4x that; TRUTH_MARGIN keeps it discriminating.
-OUT_TOL = {"fp8": 1.2e-1, "other": 2e-2}
-TRUTH_MARGIN = 4.0
 PAGE_SIZES = (16, 32, 64, 128)  # page sizes a kernel may assume instead of reading the cache shape
 R1_MSCALE_SQ = yarn_mscale(R1_YARN_FACTOR) ** 2
 OUT_METRIC = "rel L2 of out"
-WHERE = "where: "  # the start of every localization line (localize.py), as against an explanation
 FAILED, SKIPPED = "diagnosis failed: ", "diagnosis skipped: "  # an error inside the diagnosis; no memory for it
-
-
-def exact_bf16(problem: DecodeProblem) -> DecodeProblem:
-    """An fp8 problem with query and cache in bf16, which holds every fp8 value exactly: the reference gives
-    the same numbers, and the tensor operations fp8 lacks on CUDA (roll, indexing, where) all work."""
-    if problem.query.dtype != FP8 and problem.kv_cache.dtype != FP8:
-        return problem
-    return replace(problem, query=problem.query.to(torch.bfloat16), kv_cache=problem.kv_cache.to(torch.bfloat16))
 
 
 @dataclass(frozen=True)

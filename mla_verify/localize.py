@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from .compare import FACTOR, LSE_ABS_TOL, LSE_REL_TOL, baseline_decode
-from .diagnose import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
+from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
 from .generate import DTYPES
 from .problem import DecodeProblem
 from .reference import ReferenceResult, reference_decode
