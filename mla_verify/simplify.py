@@ -10,14 +10,15 @@ strategy layer's ``Case`` and the backend envelope; it runs cases through the ca
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Any
 
 from .backends.base import Envelope
 from .strategies import Case
 
 MAX_ATTEMPTS = 48  # cases run at most: a corner failure is big, and each attempt costs a case of its size
-PLAIN_SPEC = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
+PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
                   softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0)
 
 
@@ -53,7 +54,8 @@ def _simpler(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
     for key, plain in PLAIN_SPEC.items():
         if getattr(s, key) != plain:
             yield f"feature {key}", replace(case, spec=replace(s, **{key: plain}))
-    plain_layout = dict(page_stride_pad=0, cache_dims=min(env.cache_dims), table_width=env.table_widths[0])
+    plain_layout: dict[str, Any] = dict(page_stride_pad=0, cache_dims=min(env.cache_dims),
+                                        table_width=env.table_widths[0])
     for key, plain in plain_layout.items():
         if getattr(layout, key) != plain:
             yield f"feature {key}", replace(case, layout=replace(layout, **{key: plain}))
