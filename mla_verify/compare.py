@@ -33,8 +33,11 @@ P_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4
 # with fp8 probabilities rel_l2 reaches ~3e-2, i.e. ~5e-4; 2e-3 leaves 4x. Raised per problem when the
 # baseline itself is further off (compare()).
 COS_DIFF_MAX = {"bf16": 1e-5, "fp16": 1e-5, "fp8": 2e-3, "fp32": 1e-8, "fp64": 1e-8}
-# LSE: a kernel sums fp32 exponentials of fp32 scores (exact products of bf16/fp8 operands), so its LSE is
-# off by ~1e-5; 2e-3 + 1e-4 |lse| leaves a wide margin yet a base mix-up (a factor ln 2 ~ 0.69) misses by far.
+# LSE: a kernel sums fp32 exponentials of fp32 scores, so with exact scores its LSE is off by ~1e-5; 2e-3 +
+# 1e-4 |lse| leaves a wide margin yet a base mix-up (a factor ln 2 ~ 0.69) misses by far. A kernel that rounds
+# q * scale to bf16 first (as the baseline does) moves each score by up to 2^-9 of itself, and its LSE with it:
+# FlashInfer fa2 exceeded the fixed bound by 2% on one of 47704 values (H200, 2026-12-02, docs/verified.md). So
+# the bound also allows FACTOR times the baseline's largest LSE error (compare(baseline_lse=...)).
 LSE_ABS_TOL = 2e-3
 LSE_REL_TOL = 1e-4
 
@@ -68,16 +71,22 @@ class ErrorStats:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
 
-def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
-    """The same-precision PyTorch computation (see the module docstring); bf16 output."""
+def baseline_result(problem: DecodeProblem, dtype: str) -> ReferenceResult:
+    """The same-precision PyTorch computation (see the module docstring): bf16 output, and its LSE."""
     scaled_q = (problem.query.to(torch.float64) * problem.bmm1_scale).to(torch.bfloat16)
     folded = replace(problem, query=scaled_q, bmm1_scale=1.0)
     low = reference_decode(folded, torch.float32, p_dtype=P_DTYPE[dtype], matmul=fast_matmul_mode(folded))
-    return low.out.to(torch.bfloat16)
+    return ReferenceResult(low.out.to(torch.bfloat16), low.lse)
+
+
+def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
+    """The baseline's bf16 output alone."""
+    return baseline_result(problem, dtype).out
 
 
 def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, baseline: torch.Tensor,
-            dtype: str, lse_base: float | None) -> tuple[ErrorStats | None, list[str]]:
+            dtype: str, lse_base: float | None,
+            baseline_lse: torch.Tensor | None = None) -> tuple[ErrorStats | None, list[str]]:
     """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference."""
     failures: list[str] = []
     if tuple(out.shape) != tuple(ref.out.shape):
@@ -133,19 +142,22 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
         if lse is None:
             failures.append("LSE was requested but not returned")
         else:
-            _compare_lse(lse, ref, lse_base, stats, failures)
+            slack = 0.0 if baseline_lse is None else FACTOR[dtype] * float(
+                (baseline_lse.to(torch.float64).to(r.device) - ref.lse.to(torch.float64).to(r.device)).abs().max())
+            _compare_lse(lse, ref, lse_base, stats, failures, slack)
     return stats, failures
 
 
 def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
-                 failures: list[str]) -> None:
+                 failures: list[str], slack: float = 0.0) -> None:
+    """``slack``: FACTOR times the baseline's largest LSE error (natural log), added to the fixed bound."""
     if tuple(lse.shape) != tuple(ref.lse.shape):
         failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} "
                         "(after [B*q_len, H] -> [B, q_len, H])")
         return
     got = lse.detach().to(torch.float64) * math.log(base)  # to natural log
     want = ref.lse.to(torch.float64).to(got.device)
-    allowed = LSE_ABS_TOL + LSE_REL_TOL * want.abs()
+    allowed = LSE_ABS_TOL + LSE_REL_TOL * want.abs() + slack
     err = (got - want).abs()
     bad = ~(err <= allowed)  # NaN counts as bad
     stats.lse_max_abs = float(torch.nan_to_num(err, nan=float("inf")).max())
@@ -154,7 +166,8 @@ def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: Er
         b, t, h = (int(i) for i in bad.nonzero()[0])
         failures.append(f"LSE (base {_base_name(base)}) off at batch {b}, token {t}, head {h}: kernel "
                         f"{float(lse[b, t, h]):.6g}, reference {float(want[b, t, h] / math.log(base)):.6g} "
-                        f"({int(bad.sum())} of {bad.numel()} values outside {LSE_ABS_TOL:g} + {LSE_REL_TOL:g}|lse|)")
+                        f"({int(bad.sum())} of {bad.numel()} values outside {LSE_ABS_TOL:g} + {LSE_REL_TOL:g}|lse|"
+                        f"{f' + {slack:.3g} (the baseline)' if slack else ''})")
 
 
 def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:

@@ -31,7 +31,7 @@ import torch
 from . import metamorphic
 from .backends.base import ENVELOPE_PREFIX, Backend, PreparedCall
 from .bits import changed_elements, changed_elements_each
-from .compare import ErrorStats, baseline_decode, compare
+from .compare import ErrorStats, baseline_result, compare
 from .diagnose import diagnose_safely
 from .generate import ProblemSpec, build_problem
 from .layouts import LayoutSpec
@@ -150,10 +150,10 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
         with stage("reference"):
             ref = judge_reference(problem)
         with stage("baseline"):
-            baseline = baseline_decode(problem, spec.dtype)
+            baseline = baseline_result(problem, spec.dtype)
         with stage("compare"):
             lse_base = backend.envelope.lse_base if layout.return_lse else None
-            result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
+            result.stats, numeric = compare(out, lse, ref, baseline.out, spec.dtype, lse_base, baseline.lse)
         failures += numeric
         # The metamorphic call compares bits with the first call, so it also catches a kernel that differs
         # from one call to the next; the plain repeat runs when there is no transform, or when the

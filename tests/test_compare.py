@@ -1,6 +1,8 @@
 """The tolerance model's floor: a baseline that happens to be very accurate does not make a correct kernel fail."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mla_verify.compare import _expected_bf16_rounding, compare
@@ -31,3 +33,25 @@ def test_the_floor_still_fails_a_wrong_scale():
     wrong = reference_decode(problem.__class__(**{**problem.__dict__, "bmm1_scale": problem.bmm1_scale * 1.05}))
     stats, failures = compare(wrong.out.to(torch.bfloat16), None, ref, ref.out, "bf16", None)
     assert any("relative L2" in f for f in failures), failures
+
+
+def _lse_case():
+    # large scores (peaked queries, a big softmax scale): rounding q * scale to bf16 moves the LSE past 2e-3
+    problem = build_problem(ProblemSpec(seq_lens=(40, 300), q_len=2, num_heads=4, page_size=64, values="large",
+                                        softmax_scale=0.3, seed=11))
+    from mla_verify.compare import baseline_result
+    return problem, reference_decode(problem), baseline_result(problem, "bf16")
+
+
+def test_an_lse_as_far_off_as_the_baselines_passes_and_a_base_mixup_fails():
+    problem, ref, base = _lse_case()
+    base_err = float((base.lse.double() - ref.lse).abs().max())
+    assert base_err > 2e-3  # the fixed bound alone would fail a kernel that rounds like the baseline
+    kernel_lse = ref.lse + 2 * (base.lse.double() - ref.lse)  # twice the baseline's LSE error, base e -> 2 below
+    out = ref.out.to(torch.bfloat16)
+    _, failures = compare(out, kernel_lse / math.log(2), ref, base.out, "bf16", 2.0, base.lse)
+    assert not failures, failures
+    _, fixed_only = compare(out, kernel_lse / math.log(2), ref, base.out, "bf16", 2.0)
+    assert any("LSE" in f for f in fixed_only)
+    _, mixup = compare(out, kernel_lse, ref, base.out, "bf16", 2.0, base.lse)  # natural log where base 2 is due
+    assert any("LSE" in f for f in mixup)
