@@ -220,7 +220,7 @@ QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 def engine_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     for name in ("SHADOW", "SHADOW_KERNEL", "SHADOW_EVERY", "SHADOW_BUDGET", "SHADOW_FIXTURES"):
         monkeypatch.delenv(f"MLA_VERIFY_{name}", raising=False)
-    pytester.makepyfile(test_engine=ENGINE_TEST)
+    pytester.makepyfile(test_shadowed_engine=ENGINE_TEST)  # a name no module of tests/ has
     return pytester
 
 
@@ -228,7 +228,7 @@ def test_pytest_option_strict_fails_the_test_at_the_bad_call(engine_suite: pytes
     result = engine_suite.runpytest(*QUIET, "--mla-shadow", "strict", "--mla-shadow-kernel",
                                                "mla_verify.mutants:halves_swapped")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*ShadowError: mla-verify shadow: MISMATCH at test_engine.py:6*",
+    result.stdout.fnmatch_lines(["*ShadowError: mla-verify shadow: MISMATCH at test_shadowed_engine.py:6*",
                                  "*mla-verify shadow (strict*1 mismatched*"])
 
 
@@ -238,8 +238,9 @@ def test_pytest_environment_and_ini_record_mode(engine_suite: pytest.Pytester,
     engine_suite.makeini("[pytest]\nmla_shadow_kernel =\n    mla_verify.mutants:halves_swapped\n")
     result = engine_suite.runpytest(*QUIET)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*mla-verify shadow (record*", "*test_engine.py:6: 1 calls*1 mismatched*",
-                                 "mla-verify shadow: MISMATCH at test_engine.py:6*", "*diagnosis: *cache_rope_first*"])
+    result.stdout.fnmatch_lines(["*mla-verify shadow (record*", "*test_shadowed_engine.py:6: 1 calls*1 mismatched*",
+                                 "mla-verify shadow: MISMATCH at test_shadowed_engine.py:6*",
+                                 "*diagnosis: *cache_rope_first*"])
 
 
 def test_pytest_without_the_option_shadows_nothing(engine_suite: pytest.Pytester) -> None:

@@ -72,3 +72,13 @@ def test_ctrl_c_ends_with_a_report_of_what_was_judged_and_exit_130(tmp_path, pro
     assert report["run"]["interrupted"] is True
     judged = [c for c in report["cases"] if c["verdict"] != "skip"]
     assert judged and all(c["verdict"] == "pass" for c in judged)  # the cases before Ctrl-C, none blamed
+
+
+def test_a_running_case_is_named_while_it_runs(tmp_path):
+    # not a terminal (a CI log): a case still running after 10 s gets a line naming it, before its kernel is
+    # failed as hung at 13 s -- a hung kernel is told apart from a slow run while it happens
+    done, _ = check("--kernel", "slow_kernels:hangs", "--profile", "premerge", "--case-timeout", "13",
+                    "--fixtures-dir", str(tmp_path), timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    beat = [line for line in done.stderr.splitlines() if "still running after" in line]
+    assert beat and "B=" in beat[0] and beat[0].startswith("slow_kernels:hangs:"), done.stderr
