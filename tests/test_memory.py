@@ -26,7 +26,7 @@ def cuda_oom_kernel(*args, **kwargs):
     raise RuntimeError("CUDA error: out of memory")  # how a kernel's own failed allocation surfaces
 
 
-@pytest.mark.parametrize("stage", ["build_problem", "judge_reference", "baseline_decode", "compare"])
+@pytest.mark.parametrize("stage", ["build_problem", "judge_reference", "baseline_result", "compare"])
 def test_oom_in_a_stage_of_the_suite_is_a_memory_skip(monkeypatch, stage):
     monkeypatch.setattr(harness, stage, oom)
     r = run_case(TrtllmStyleBackend("correct", correct_kernel), SPEC, LAYOUT, "cpu", "pages")
