@@ -1,15 +1,16 @@
 """Make a failing case smaller where Hypothesis did not: the explicit corner cases, and drawn cases that are
 minimal in Hypothesis's order of choices but not in size.
 
-``simplify`` tries one change at a time -- drop an incidental feature (unused pages, table padding, a strided
-pool, a non-default scale, a metamorphic check), keep half the batch, fewer heads or query tokens, a shorter
-longest sequence -- and keeps each change under which the case still fails, until no change does or the
+``simplify`` tries one change at a time -- keep half the batch, fewer heads or query tokens, a shorter longest
+sequence, then drop an incidental feature (unused pages, table padding, a strided pool, a non-default scale, a
+metamorphic check) -- and keeps each change under which the case still fails, until no change does or the
 attempts run out. Lengths approach the shortest failing one geometrically (half, then three quarters, ...), so
 a failure that needs a long sequence is reported near the shortest length that shows it. Import rule: the
 strategy layer's ``Case`` and the backend envelope; it runs cases through the callable it is given.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -18,6 +19,7 @@ from .backends.base import Envelope
 from .strategies import Case
 
 MAX_ATTEMPTS = 48  # cases run at most: a corner failure is big, and each attempt costs a case of its size
+MAX_SECONDS = 30.0  # and at most this long: a 131072-token case costs ~1 s an attempt on a 2-core machine
 PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
                   softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0)
 
@@ -28,11 +30,21 @@ def size(case: Case) -> tuple[int, int]:
     return sum(s.seq_lens) * s.num_heads * s.q_len, s.batch
 
 
-def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool], attempts: int = MAX_ATTEMPTS) -> Case:
-    """The smallest case reached from ``case`` by single changes that keep ``fails(case)`` true."""
+def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool], attempts: int = MAX_ATTEMPTS,
+             seconds: float = MAX_SECONDS) -> Case:
+    """The smallest case reached from ``case`` by single changes that keep ``fails(case)`` true: sizes first,
+    within ``attempts`` cases, then each incidental feature once; all within ``seconds``."""
+    stop_at = time.monotonic() + seconds
+    case = _greedy(case, lambda c: _smaller(c, env), env, fails, attempts, stop_at)
+    return _greedy(case, lambda c: _plainer(c, env), env, fails, len(PLAIN_SPEC) + 4, stop_at)
+
+
+def _greedy(case: Case, changes: Callable[[Case], Iterator[tuple[str, Case]]], env: Envelope,
+            fails: Callable[[Case], bool], attempts: int, stop_at: float) -> Case:
+    """Apply the first change under which the case still fails, again, until none does or the budget ends."""
     rejected: set[str] = set()
-    while attempts > 0:
-        for name, candidate in _simpler(case, env):
+    while attempts > 0 and time.monotonic() < stop_at:
+        for name, candidate in changes(case):
             if name in rejected or env.why_not(candidate.spec, candidate.layout) is not None:
                 continue
             attempts -= 1
@@ -41,26 +53,16 @@ def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool], attempts:
                 rejected = {r for r in rejected if r.startswith("feature")}  # features stay decided
                 break
             rejected.add(name)
-            if attempts == 0:
-                break
+            if attempts == 0 or time.monotonic() >= stop_at:
+                return case
         else:
             return case
     return case
 
 
-def _simpler(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
-    """(name, candidate) for each single simplification of ``case``; features first, then sizes."""
-    s, layout = case.spec, case.layout
-    for key, plain in PLAIN_SPEC.items():
-        if getattr(s, key) != plain:
-            yield f"feature {key}", replace(case, spec=replace(s, **{key: plain}))
-    plain_layout: dict[str, Any] = dict(page_stride_pad=0, cache_dims=min(env.cache_dims),
-                                        table_width=env.table_widths[0])
-    for key, plain in plain_layout.items():
-        if getattr(layout, key) != plain:
-            yield f"feature {key}", replace(case, layout=replace(layout, **{key: plain}))
-    if case.transform != "none":
-        yield "feature transform", replace(case, transform="none")
+def _smaller(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
+    """(name, candidate) for each single size reduction of ``case`` (each makes the attempts after it cheaper)."""
+    s = case.spec
     lens = s.seq_lens
     if len(lens) > 1:
         half = len(lens) // 2
@@ -82,3 +84,18 @@ def _simpler(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
         if lo <= shorter < n:
             yield f"length {shorter}", replace(case, spec=replace(s, seq_lens=lens[:longest] + (shorter,)
                                                                    + lens[longest + 1:]))
+
+
+def _plainer(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
+    """(name, candidate) for each incidental feature of ``case`` set to its plain value."""
+    s, layout = case.spec, case.layout
+    for key, plain in PLAIN_SPEC.items():
+        if getattr(s, key) != plain:
+            yield f"feature {key}", replace(case, spec=replace(s, **{key: plain}))
+    plain_layout: dict[str, Any] = dict(page_stride_pad=0, cache_dims=min(env.cache_dims),
+                                        table_width=env.table_widths[0])
+    for key, plain in plain_layout.items():
+        if getattr(layout, key) != plain:
+            yield f"feature {key}", replace(case, layout=replace(layout, **{key: plain}))
+    if case.transform != "none":
+        yield "feature transform", replace(case, transform="none")
