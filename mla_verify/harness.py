@@ -42,6 +42,7 @@ from .tracebacks import exception_line
 from .watchdog import KernelTimeout, time_limit
 
 POISON_OUT = float("inf")
+PRIMED = 8  # poisoned blocks of the output's size freed just before a kernel that allocates its output
 # the stages of one case, in order ("draw" is the engine's: the strategy's time for this case)
 STAGES = ("draw", "build", "prepare", "kernel", "reference", "baseline", "compare", "repeat", "metamorphic",
           "diagnose")
@@ -251,8 +252,12 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
 def _invoke(prepared: PreparedCall, out_shape: tuple[int, ...], device: torch.device) -> Any:
     if prepared.out is not None:
         prepared.out.fill_(POISON_OUT)
-    else:  # the kernel allocates: make the memory it will most likely get hold the poison
-        torch.full(out_shape, POISON_OUT, dtype=torch.bfloat16, device=device)
+    else:  # the kernel allocates: make the memory it will most likely get hold the poison. Several blocks:
+        # the kernel's own temporaries of the same size may take the most recently freed ones first (CPU
+        # allocators hand out recently freed blocks of a size first), and an older block of that size can hold
+        # an earlier correct output, which unwritten rows would then pass for
+        primed = [torch.full(out_shape, POISON_OUT, dtype=torch.bfloat16, device=device) for _ in range(PRIMED)]
+        del primed
     raw = prepared.invoke()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
