@@ -28,7 +28,7 @@ from .diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case
 from .profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
 from .simplify import simplify, size
-from .strategies import Budget, Case, budget_for, cases, corner_cases
+from .strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
 
 DEFAULT_SEED = 20261201
 DEFAULT_KERNEL_SECONDS = 120.0  # one kernel call; FlashInfer's first fa2/fa3 call JIT-compiles (~25 s)
@@ -122,7 +122,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
-            budget.shrink_below(_cached_tokens(case), case.spec.batch * case.spec.q_len * case.spec.num_heads)
+            budget.shrink_below(cached_tokens(case.spec.seq_lens, case.spec.page_size, case.spec.extra_pages),
+                                case.spec.batch * case.spec.q_len * case.spec.num_heads)
         result.cases.append(r)
         if on_case is not None:
             on_case(r)
@@ -240,8 +241,3 @@ def _replayed(backend: Backend, shrunk: CaseResult, device: torch.device,
         return again
     shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
     return shrunk
-
-
-def _cached_tokens(case: Case) -> int:
-    s = case.spec
-    return sum(-(-n // s.page_size) * s.page_size for n in s.seq_lens) + s.extra_pages * s.page_size

@@ -82,13 +82,18 @@ def budget_for(device: torch.device | str, max_seq_len: int | None = None) -> Bu
     return Budget(units, batch, longest, *memory_budget(device, tokens, rows))
 
 
+def cached_tokens(seq_lens: tuple[int, ...], page: int, extra_pages: int) -> int:
+    """The cache rows a problem's pool holds: every sequence's whole pages and the unused ones."""
+    return sum(-(-n // page) * page for n in seq_lens) + extra_pages * page
+
+
 def clamp_lengths(lens: tuple[int, ...], page: int, q_len: int, heads: int, extra_pages: int,
                   cap_tokens: int | None, cap_rows: int | None) -> tuple[int, ...]:
     """``lens`` cut to at most ``cap_rows`` output rows and to ``cap_tokens`` cached tokens: the lengths scaled
     down (each at least ``q_len``), then requests dropped from the end while whole pages still exceed it. One
     request is always left. Unchanged without caps or when they fit."""
     def tokens(ns: tuple[int, ...]) -> int:
-        return sum(-(-n // page) * page for n in ns) + extra_pages * page
+        return cached_tokens(ns, page, extra_pages)
 
     if cap_rows is not None:
         lens = lens[:max(1, cap_rows // (q_len * heads))]
