@@ -15,7 +15,7 @@ import torch
 
 from mla_verify.backends import get_backend
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.backends.flashinfer_wrapper import NO_ROPE_DIMS, FlashInferWrapperBackend
+from mla_verify.backends.flashinfer_wrapper import FlashInferWrapperBackend
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec, csr_to_block_table
@@ -79,13 +79,9 @@ class OnCpu(FlashInferWrapperBackend):
 
 
 def _on_cpu(name: str) -> OnCpu:
-    """The real backend's path on CPU, its envelope widened to the no-rope dims its planner takes (not drawn
-    yet: see NO_ROPE_DIMS)."""
+    """The real backend's path on CPU, with its drawn envelope."""
     real = get_backend(name)
-    env = real.path.envelope
-    wider = env.narrowed(dims=env.dims + (NO_ROPE_DIMS,),
-                         dims_by_dtype=tuple((d, dims + (NO_ROPE_DIMS,)) for d, dims in env.dims_by_dtype))
-    return OnCpu(real.name, replace(real.path, envelope=wider))
+    return OnCpu(real.name, real.path)
 
 
 SPEC = ProblemSpec(seq_lens=(3, 70, 129), q_len=3, num_heads=16, page_size=16, extra_pages=2, table_pad=2,

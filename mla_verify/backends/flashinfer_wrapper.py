@@ -147,13 +147,13 @@ class FlashInferWrapperBackend(Backend):
         return PreparedCall(invoke, inputs, out, to_canonical, output_scale=float(p.bmm2_scale))
 
 
-# FlashInfer's FA planner (_validate_generated_fa_plan) takes an fp8 cache only with head_dim_ckv 512 and
-# head_dim_kpe 0 or 64: a static constraint, so it is declared here and never drawn outside it. The planner
-# also takes no rope, (512, 0) (head_dim_kpe in multiples of 64 "including zero"); NO_ROPE_DIMS is not drawn
-# yet: its four JIT modules have not been built or run on a GPU (docs/backends.md).
+# FlashInfer's FA planner (_validate_generated_fa_plan) takes head_dim_kpe in multiples of 64 "including
+# zero", so no rope, (512, 0), is drawn beside the DeepSeek dims; an fp8 cache only with head_dim_ckv 512 and
+# head_dim_kpe 0 or 64. Static constraints, declared here so that nothing outside them is drawn.
 NO_ROPE_DIMS = (512, 0)
-_FA_COMMON: dict[str, Any] = dict(devices=("cuda",), page_sizes=None, dims=((512, 64), (256, 64)),
-                  dims_by_dtype=(("fp8", ((512, 64),)),), heads=None, max_heads=128,
+_FA_COMMON: dict[str, Any] = dict(devices=("cuda",), page_sizes=None,
+                  dims=((512, 64), (256, 64), NO_ROPE_DIMS),
+                  dims_by_dtype=(("fp8", ((512, 64), NO_ROPE_DIMS)),), heads=None, max_heads=128,
                   dtypes=("bf16", "fp8"), q_len=(1, 16), cache_dims=(3,), page_strided=True,
                   table_widths=("native",), pass_out=(True, False), lse=True)
 _POW2_PAGES = (1, 2, 4, 8, 16, 32, 64, 128)
