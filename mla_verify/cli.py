@@ -140,7 +140,7 @@ def _version() -> str:
 
 # ---------------------------------------------------------------- check
 def cmd_check(ns: argparse.Namespace) -> int:
-    from . import stage_times
+    from . import stage_times, watchdog
     from .engine import verify
     from .failure import failure_lines, save_reproducer
     from .fixtures import check_writable_dir
@@ -163,6 +163,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
         print(f"note: --hypothesis-db is not used by the {profile.name} profile (it must not depend on what "
               "earlier runs found); the fuzz profile uses it", file=sys.stderr)
     check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
+    watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
     backends = _select_backends(ns.kernel, ns.backend, device)
 
     started = time.monotonic()

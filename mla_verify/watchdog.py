@@ -5,7 +5,7 @@ thread, which interrupts Python code and sleeps (a PyTorch kernel, a kernel stuc
 stuck in native code never returns to the interpreter, so a daemon thread waits a grace period more (15 s;
 ``GRACE_ENV``), then prints one line naming the case and ends the process with exit code 1 (the discrepancy
 exit: a hung kernel fails the gate). Where SIGALRM cannot be used (not the main thread, no SIGALRM on the
-platform) the call runs unguarded. Import rule: the standard library only.
+platform) the call runs unguarded. Import rule: the standard library and ``errors`` only.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+
+from .errors import UsageError
 
 # after the limit: time for a native call to return before the process is ended (the environment variable
 # shortens it for tests and lengthens it for slow machines)
@@ -43,7 +45,7 @@ class _HardStop:
 
     def arm(self, seconds: float, what: str) -> None:
         with self._cond:
-            self._until, self._what, self._limit = time.monotonic() + seconds + _grace(), what, seconds
+            self._until, self._what, self._limit = time.monotonic() + seconds + grace_seconds(), what, seconds
             self._cond.notify()
 
     def disarm(self) -> None:
@@ -68,11 +70,17 @@ class _HardStop:
 _hard_stop: _HardStop | None = None
 
 
-def _grace() -> float:
+def grace_seconds() -> float:
+    """The grace period from ``GRACE_ENV`` (15 s unset); a value that is not a number >= 0 is a UsageError, so
+    a run checks it before its first case rather than ignoring a typo."""
+    raw = os.environ.get(GRACE_ENV, "15")
     try:
-        return max(0.0, float(os.environ.get(GRACE_ENV, "15")))
+        grace = float(raw)
     except ValueError:
-        return 15.0
+        grace = -1.0
+    if not grace >= 0:  # also refuses nan
+        raise UsageError(f"{GRACE_ENV}={raw!r}: expected a number of seconds >= 0")
+    return grace
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mla_verify.watchdog import GRACE_ENV
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -82,3 +84,13 @@ def test_a_running_case_is_named_while_it_runs(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     beat = [line for line in done.stderr.splitlines() if "still running after" in line]
     assert beat and "B=" in beat[0] and beat[0].startswith("slow_kernels:hangs:"), done.stderr
+
+
+@pytest.mark.parametrize("grace", ["soon", "-1", "nan"])
+def test_a_malformed_watchdog_grace_is_a_usage_error_before_any_case(grace, tmp_path):
+    done, _ = check("--kernel", "mla_verify.mutants:correct_kernel", "--fixtures-dir", str(tmp_path),
+                    env={GRACE_ENV: grace}, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"mla-verify check: error: {GRACE_ENV}={grace!r}: expected a number of seconds >= 0"], done.stderr
+    assert "reference self-check" not in done.stdout  # refused before any work
