@@ -2,21 +2,26 @@
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
 #   source .gpu-bundle/activate.sh && bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
-# Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT fa2/fa3 + a dev check each), gputests
+# Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT-builds every variant of WARM_BACKENDS,
+# benchmarks/warm_jit.py), gputests
 # (pytest -m gpu, one worker per core share of the GPU), reftests (tests/test_reference_cuda.py alone), refbench
 # (reference vs fa3 time and memory), bench (grid twice + agreement), fuzz (fa3 and fa2 side by side,
 # FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel (gputests, probe and fuzz at once), final
-# (gputests and fuzz at once).
+# (gputests and fuzz at once, GPU memory sampled each second). FUZZ_BACKENDS and PREMERGE_BACKENDS name the
+# backends (default fa3 fa2).
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
-mkdir -p "$R"
+REG=${REGRESSIONS:-/tmp/mla-regressions}  # reproducers stay on the host (each may hold up to 16 MiB); listed in $R
+mkdir -p "$R" "$REG"
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
 if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the parallel phase's children
   WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
   # FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time
   if [ -f .gpu-bundle/jit-cache.tar.gz ]; then mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"; fi
   finish() {
+    (cd "$REG" && find . -type f -printf "%s %p\n") > "$R/regressions.txt"
+    find "$REG" -type f -size -256k -name "*.json" -exec cp --parents {} "$R" \;
     tar czf "${OUT:-/tmp/mla-out}/results.tar.gz" -C "$R" .
     [ -d "$WS" ] && tar czf "${OUT:-/tmp/mla-out}/jit-cache.tar.gz" -C "$WS" .
     ls -la "$R" "${OUT:-/tmp/mla-out}"
@@ -40,9 +45,9 @@ for phase in "$@"; do
         echo "loadavg $(cat /proc/loadavg)"; a=$(awk '/^cpu /{print $9}' /proc/stat); sleep 5
         echo "steal ticks over 5 s, all vCPUs: $(( $(awk '/^cpu /{print $9}' /proc/stat) - a ))"; } | tee "$R/host.txt" ;;
     warm)
-      for b in fa3 fa2; do
-        $MV check --backend $b --device cuda --profile dev --report "$R/dev_$b.json" 2>&1 | tee "$R/dev_$b.log"
-      done ;;
+      start=$SECONDS
+      python3 benchmarks/warm_jit.py $(printf -- "--backend %s " ${WARM_BACKENDS:-fa3 fa2}) 2>&1 | tee "$R/warm.log"
+      log "warm took $((SECONDS - start)) s" ;;
     gputests)
       start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
         2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
@@ -61,7 +66,7 @@ for phase in "$@"; do
     fuzz)
       for b in ${FUZZ_BACKENDS:-fa3 fa2}; do
         $MV check --backend $b --device cuda --profile fuzz --minutes "${FUZZ_MINUTES:-5.2}" \
-          --report "$R/fuzz_$b.json" --fixtures-dir "$R/regressions" > "$R/fuzz_$b.log" 2>&1 &
+          --report "$R/fuzz_$b.json" --fixtures-dir "$REG" > "$R/fuzz_$b.log" 2>&1 &
       done
       wait
       tail -5 "$R"/fuzz_*.log ;;
@@ -72,13 +77,17 @@ for phase in "$@"; do
       wait
       tail -n 3 "$R"/par_*.log ;;
     final)  # fuzz and the acceptance tests side by side
+      nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 1 > "$R/mem_used.txt" &
+      sampler=$!
       bash "$0" fuzz > "$R/par_fuzz.log" 2>&1 &
+      fuzz=$!
       GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-2} bash "$0" gputests > "$R/par_gputests.log" 2>&1 &
-      wait
+      wait $fuzz $!
+      kill $sampler
       tail -n 4 "$R"/par_*.log ;;
     premerge)
-      $MV check --backend fa3 --backend fa2 --device cuda --profile premerge --report "$R/premerge_gpu.json" \
-        2>&1 | tee "$R/premerge_gpu.log" ;;
+      $MV check $(printf -- "--backend %s " ${PREMERGE_BACKENDS:-fa3 fa2}) --device cuda --profile premerge \
+        --report "$R/premerge_gpu.json" --fixtures-dir "$REG" 2>&1 | tee "$R/premerge_gpu.log" ;;
     *) log "unknown phase $phase" ;;
   esac
 done
