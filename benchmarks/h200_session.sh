@@ -8,7 +8,7 @@
 # (reference vs fa3 time and memory), bench (grid twice + agreement), fuzz (fa3 and fa2 side by side,
 # FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel (gputests, probe and fuzz at once), final
 # (gputests and fuzz at once, GPU memory sampled each second). FUZZ_BACKENDS and PREMERGE_BACKENDS name the
-# backends (default fa3 fa2).
+# backends (default fa3 fa2), GPU_TESTS the test paths of gputests (default tests).
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -49,7 +49,7 @@ for phase in "$@"; do
       python3 benchmarks/warm_jit.py $(printf -- "--backend %s " ${WARM_BACKENDS:-fa3 fa2}) 2>&1 | tee "$R/warm.log"
       log "warm took $((SECONDS - start)) s" ;;
     gputests)
-      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider tests \
+      start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider -rs ${GPU_TESTS:-tests} \
         2>&1 | tee "$R/pytest_gpu.log" | tail -40; log "pytest -m gpu took $((SECONDS - start)) s" ;;
     probe)
       python3 benchmarks/tolerance_probe.py --backend fa3 --backend fa2 --cases "${PROBE_CASES:-80}" \
