@@ -147,7 +147,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from .hypothesis_db import resolve_database
     from .profiles import get_profile
     from .progress import Progress
-    from .report import build_report, check_report_path, write_report
+    from .report import build_report, check_report_path, distinct_cases, resolution_line, resolutions, write_report
     from .selfcheck import reference_selfcheck
 
     # Everything that can be wrong with the command is found here, before the first case.
@@ -183,6 +183,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
                             minutes=ns.minutes, database=database, on_case=progress.update,
                             on_start=progress.start, kernel_seconds=ns.case_timeout)
         print(_summary_line(result), flush=True)
+        if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
+            print(f"  {resolution_line(result.backend, resolved)}", flush=True)
         print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
         results.append(result)
         if result.interrupted:

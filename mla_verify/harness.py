@@ -71,6 +71,7 @@ class CaseResult:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per STAGES entry that ran
     skip_kind: str = ""  # SKIP_ENVELOPE or SKIP_MEMORY when skipped
     hung: bool = False  # the kernel ran past its time limit
+    resolved_backend: str | None = None  # the kernel a policy backend (fa-auto) ran: PreparedCall's
 
     @property
     def id(self) -> str:
@@ -84,6 +85,7 @@ class CaseResult:
                 "failures": self.failures, "diagnosis": self.diagnosis, "seconds": round(self.seconds, 4),
                 "stages": {k: round(v, 5) for k, v in self.stages.items()}, "skip_kind": self.skip_kind,
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
+                "resolved_backend": self.resolved_backend,
                 "stats": None if self.stats is None else self.stats.to_json()}
 
     def describe(self) -> str:
@@ -143,6 +145,7 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
     limit = _Limit(kernel_seconds, result)
     with stage("prepare"):
         prepared = _prepare(backend, problem, layout, failures)
+    result.resolved_backend = None if prepared is None else prepared.resolved_backend
     run = None if prepared is None else _call(prepared, problem, failures, limit, stage)
     ref: ReferenceResult | None = None
     if run is not None:

@@ -333,6 +333,8 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
                      worst, f"{b.get('seconds', 0):.1f}", b.get("unavailable") or ""])
     blocks.append(("table", ["backend", "verdict", "cases", "pass", "fail", "skip", "worst error/allowed",
                              "seconds", "not run because"], rows))
+    blocks += [("p", resolution_line(b["name"], b["resolved"])) for b in report.get("backends", [])
+               if b.get("resolved")]
     for b in report.get("backends", []):
         failure = b.get("failure")
         if not failure:
@@ -419,6 +421,17 @@ def count_verdicts(verdicts: Iterable[str]) -> dict[str, int]:
     return {v: counts[v] for v in ("pass", "fail", "skip")}
 
 
+def resolutions(resolved: Iterable[str | None]) -> dict[str, int]:
+    """Cases per kernel a policy backend (fa-auto) resolved to, most first; empty for every other backend."""
+    return dict(Counter(r for r in resolved if r is not None).most_common())
+
+
+def resolution_line(backend: str, counts: dict[str, int]) -> str:
+    """E.g. "fa-auto resolved to fa3 on 57 cases, fa2 on 3"."""
+    (first, n), *rest = counts.items()
+    return f"{backend} resolved to {first} on {n} case{'s' * (n != 1)}" + "".join(f", {k} on {m}" for k, m in rest)
+
+
 def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dict[str, str],
                  platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
     """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
@@ -438,6 +451,7 @@ def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dic
                        "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend)}
         backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
                          "cases": len(distinct), "seconds": round(r.seconds, 3),
-                         "timed_out": r.timed_out, "failure": failure})
+                         "timed_out": r.timed_out, "failure": failure,
+                         "resolved": resolutions(c.resolved_backend for c in distinct)})
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
             "selfcheck": selfcheck, "backends": backends, "cases": cases}

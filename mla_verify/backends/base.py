@@ -100,6 +100,8 @@ class PreparedCall:
     # kernel result -> (out [B, q_len, H, L], lse in the backend's base [B, q_len, H] or None)
     output_scale: float = 1.0  # a bmm2 the kernel cannot take: the harness applies it, in float64, to judge
     # the output (doing it in bf16 after the kernel would add a rounding the kernel did not make)
+    resolved_backend: str | None = None  # the library's own kernel choice when the backend is a policy
+    # (FlashInfer's backend="auto"), as the library recorded it; None for a backend that is one kernel
 
     def judged(self, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output to compare with the reference: canonical, with ``output_scale`` applied in float64."""

@@ -1,4 +1,5 @@
-"""FlashInfer's planned MLA paths through ``flashinfer.mla.BatchMLAPagedAttentionWrapper``: fa2, fa3, cutlass, cutile.
+"""FlashInfer's planned MLA paths through ``flashinfer.mla.BatchMLAPagedAttentionWrapper``: fa2, fa3, cutlass,
+cutile, and ``backend="auto"`` where it chooses between fa3 and fa2 (``fa-auto``).
 
 Inputs are ``layouts.wrapper_args``: CSR page lists plus q_nope/q_pe and ckv/kpe views of one pool. ``prepare``
 plans once per problem (planning is not part of the timed call). Semantics the wrapper does not share with
@@ -13,6 +14,8 @@ Contract 1, and how they are bridged (docs/backends.md has the source references
   exact: every e4m3 value is a bf16 value.
 - Output is ``[B*q_len, H, L]`` bf16; LSE ``[B*q_len, H]`` in base 2 (``lse_mode="base2"``).
 - Causal masking is bottom-right, as ours: mla.cuh masks ``kv_idx + qo_len > kv_len + q_idx``.
+- ``auto`` picks its kernel in plan(); the wrapper records the one it planned (``_planned_backend_name``),
+  which each call reports as ``PreparedCall.resolved_backend``.
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ from .base import Backend, Envelope, PreparedCall
 from .flashinfer_trtllm import BLACKWELL_DC, SM12X
 
 FA_HOPPER = ((9, 0),)
+# where every candidate of FlashInfer's auto policy but fa2/fa3 refuses by architecture (trtllm-gen, CuTe DSL,
+# CUTLASS, XQA and cuTile need SM100 or newer), so auto runs one of the two FA kernels
+FA_ONLY_AUTO = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
+AUTO_FA_CANDIDATES = ("fa3", "fa2")
 WORKSPACE_BYTES = 128 << 20
 
 Preflight = Callable[[str, ProblemSpec, torch.device], None]
@@ -58,6 +65,18 @@ def fa_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
     _validate_fa_plan_workload(csr["qo_indptr"], csr["kv_len_arr"], spec.num_heads, True, device, name, kv_dtype)
 
 
+def auto_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
+    """FlashInfer's auto plans the first candidate that accepts; on FA_ONLY_AUTO devices only fa3 or fa2 can,
+    so it refuses exactly what both FA planners refuse (which of them it picks is read after plan())."""
+    refusals = []
+    for candidate in AUTO_FA_CANDIDATES:
+        try:
+            return fa_preflight(candidate, spec, device)
+        except ValueError as exc:
+            refusals.append(f"{candidate}: {exc}")
+    raise ValueError("; ".join(refusals))
+
+
 def cutlass_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
     """FlashInfer's CUTLASS plan contract: 128 heads and a fixed softmax scale 1/sqrt(128 + rope), among others."""
     from flashinfer.mla._batch_mla._backends.cutlass_backend import _validate_cutlass_plan_contract
@@ -83,6 +102,7 @@ class WrapperPath:
     # plan's query_layout / kv_cache_layout; the run gets split views either way
     layout: Literal["packed", "split"] = "split"
     preflight: Preflight | None = None
+    resolves: bool = False  # a policy that picks its kernel in plan(): each call reports the one it planned
 
 
 class FlashInferWrapperBackend(Backend):
@@ -144,7 +164,8 @@ class FlashInferWrapperBackend(Backend):
         inputs = {"q_nope": q_nope, "q_pe": q_pe, "kv_pool": a.pool, "qo_indptr": a.qo_indptr,
                   "kv_indptr": a.kv_indptr, "kv_indices": a.kv_indices, "kv_len_arr": a.kv_len_arr}
         # no output scale on these paths: bmm2 is applied to the kernel's output when it is judged
-        return PreparedCall(invoke, inputs, out, to_canonical, output_scale=float(p.bmm2_scale))
+        return PreparedCall(invoke, inputs, out, to_canonical, output_scale=float(p.bmm2_scale),
+                            resolved_backend=wrapper._planned_backend_name if self.path.resolves else None)
 
 
 # FlashInfer's FA planner (_validate_generated_fa_plan) takes head_dim_kpe in multiples of 64 "including
@@ -166,6 +187,12 @@ WRAPPER_PATHS: dict[str, WrapperPath] = {
     "fa3": WrapperPath("fa3", Envelope(archs=FA_HOPPER, **_FA_COMMON,
                                        notes="SM90a with CUDA >= 12.3; fp8 cache with bf16 query"),
                        "FlashInfer FA3 (Hopper) MLA decode (BatchMLAPagedAttentionWrapper)", preflight=fa_preflight),
+    "fa-auto": WrapperPath("auto", Envelope(archs=FA_ONLY_AUTO, **_FA_COMMON,
+                                            notes="FlashInfer's auto: fa3 on SM90 (CUDA >= 12.3), fa2 where "
+                                                  "fa3's planner refuses and on SM8x; refused where both refuse; "
+                                                  "each case reports the kernel it ran"),
+                           "FlashInfer's backend=\"auto\" MLA decode, reported as the kernel it resolved to",
+                           preflight=auto_preflight, resolves=True),
     "cutlass": WrapperPath("cutlass", Envelope(
         devices=("cuda",), archs=BLACKWELL_DC + ((11, 0),), page_sizes=_POW2_PAGES, dims=((512, 64),),
         heads=(128,), dtypes=("bf16",), q_len=(1, 1), cache_dims=(3,), page_strided=False,
