@@ -16,7 +16,7 @@ from mla_verify.generate import ProblemSpec
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec
 
-GPU_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile", "flashinfer-swa")
+GPU_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "fa-auto", "cutlass", "cutile", "flashinfer-swa")
 SPEC = ProblemSpec(seq_lens=(9, 40), num_heads=8, page_size=32, seed=1)
 
 

@@ -19,6 +19,7 @@ from mla_verify.report import (
     load_report,
     output_paths,
     render,
+    resolution_line,
     scatter_svg,
     to_markdown,
     verdict_banner,
@@ -213,3 +214,26 @@ def test_a_verdict_banner_heads_the_report(tmp_path, change, verdict, words):
     md = output_paths(path)["md"].read_text().splitlines()
     assert md[2] == f"> **{verdict}** -- {words}"  # right under the title
     assert f"<b>{verdict}</b> -- " in output_paths(path)["html"].read_text()
+
+
+def test_a_policy_backends_kernels_are_counted_per_distinct_case(tmp_path):
+    kernels = ["fa3", "fa2", "fa3", None, "fa3"]  # None: a skipped case, never planned
+    cases = [_case("fa-auto", 10 + i, 8, 0.1 if k else None, "pass" if k else "skip") for i, k in enumerate(kernels)]
+    for case, kernel in zip(cases, kernels):
+        case.resolved_backend = kernel
+    auto = EngineResult("fa-auto", "dev", 1, cases=[*cases, cases[0]], seconds=1.0)  # a revisit counts once
+    path = tmp_path / "r.json"
+    write_report(path, build_report({"device": "cuda"}, [auto, *_results()], {}))
+    report = load_report(path)
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert by_name["fa-auto"]["resolved"] == {"fa3": 3, "fa2": 1}
+    assert by_name["peer"]["resolved"] == {} == by_name["trtllm-gen"]["resolved"]
+    assert [c["resolved_backend"] for c in report["cases"] if c["backend"] == "fa-auto"] == kernels
+    assert {c["resolved_backend"] for c in report["cases"] if c["backend"] != "fa-auto"} == {None}
+    for kind in ("md", "html"):
+        text = output_paths(path)[kind].read_text()
+        assert text.count("resolved to") == 1 and "fa-auto resolved to fa3 on 3 cases, fa2 on 1" in text
+
+
+def test_one_resolved_case_is_one_case() -> None:
+    assert resolution_line("fa-auto", {"fa2": 1}) == "fa-auto resolved to fa2 on 1 case"

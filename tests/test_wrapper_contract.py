@@ -169,3 +169,51 @@ def test_cutlass_refuses_any_softmax_scale_but_its_own(monkeypatch: pytest.Monke
     layout = LayoutSpec(return_lse=False)  # cutlass returns no LSE
     assert backend.why_not(plain, layout, cpu) is None
     assert "fixed MLA softmax scale" in backend.why_not(replace(plain, softmax_scale=0.1352), layout, cpu)
+
+
+auto_policy = pytest.importorskip("flashinfer.mla._batch_mla._auto_policy")
+# FlashInfer's fa3 planner takes head_dim_ckv 128/256/512 only, its fa2 planner any multiple of 128: rank 384
+# is a shape auto must hand to fa2 (not drawn, as fa2 alone would run it: here only to see the fallback)
+FA2_ONLY_RANK = 384
+
+
+@pytest.fixture
+def auto_on_hopper(fake_hopper: FakeFaModule, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The fake SM90 of ``fake_hopper`` seen by FlashInfer's auto policy too; returns the FA modules built, by
+    name, in order: the kernel FlashInfer actually ran, told apart from what the adapter reports."""
+    built: list[str] = []
+    monkeypatch.setattr(auto_policy, "_get_compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(auto_policy, "is_sm90a_supported", lambda device: True)
+    for name, target in (("fa2", fa2_module), ("fa3", fa3_module)):
+        monkeypatch.setattr(target, "get_batch_mla_module", lambda *a, name=name: built.append(name) or fake_hopper)
+    return built
+
+
+AUTO_CASES = [*CASES, (replace(SPEC, kv_lora_rank=FA2_ONLY_RANK), LayoutSpec())]
+
+
+def test_auto_reports_the_kernel_flashinfer_planned_and_passes(auto_on_hopper: list[str]) -> None:
+    real = get_backend("fa-auto")
+    backend = OnCpu(real.name, replace(real.path, envelope=real.envelope.narrowed(
+        dims=(*real.envelope.dims, (FA2_ONLY_RANK, 64)))))
+    resolved = []
+    for spec, layout in AUTO_CASES:
+        auto_on_hopper.clear()
+        result = run_case(backend, spec, layout, "cpu", transform="pages")
+        assert result.verdict == "pass", result.failures
+        assert set(auto_on_hopper) == {result.resolved_backend}  # every plan of the case ran what it reports
+        assert result.to_json()["resolved_backend"] == result.resolved_backend
+        resolved.append(result.resolved_backend)
+    assert set(resolved) == {"fa3", "fa2"}  # both of auto's SM90 choices were reported, each as itself
+
+
+def test_auto_refuses_where_both_fa_planners_refuse(auto_on_hopper: list[str]) -> None:
+    cpu = torch.device("cpu")
+    tile = replace(SPEC, seq_lens=(66,), q_len=4, num_heads=48)  # a causal tile edge for fa3 and fa2 alike
+    reason = _on_cpu("fa-auto").why_not(tile, LayoutSpec(), cpu)
+    assert reason.startswith("FlashInfer's auto planner refuses it: fa3: ") and "; fa2: " in reason
+    assert _on_cpu("fa-auto").why_not(replace(tile, seq_lens=(67,)), LayoutSpec(), cpu) is None
+
+
+def test_other_backends_report_no_resolution(fake_hopper: FakeFaModule) -> None:
+    assert run_case(_on_cpu("fa3"), SPEC, LayoutSpec(), "cpu").resolved_backend is None
