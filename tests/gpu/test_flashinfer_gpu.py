@@ -25,6 +25,7 @@ from mla_verify.generate import ProblemSpec
 from mla_verify.harness import CaseResult, run_case
 from mla_verify.layouts import LayoutSpec
 from mla_verify.platform import platform_info
+from mla_verify.report import resolutions
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ MIN_PASS = int(os.environ.get("MLA_VERIFY_GPU_MIN_PASS", "500"))
 # 550 gave ~415 passes and 800 gave ~596 (docs/verified.md)
 MAX_EXAMPLES = int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", str(MIN_PASS * 8 // 5)))
 RECORD_DIR = os.environ.get("MLA_VERIFY_GPU_RECORD")
-FLASHINFER_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "cutlass", "cutile")
+FLASHINFER_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "fa-auto", "cutlass", "cutile")
 
 
 def _cuda() -> torch.device:
@@ -63,7 +64,7 @@ def acceptance_run(backend, device: torch.device, max_examples: int = MAX_EXAMPL
     return record
 
 
-@pytest.mark.parametrize("name", ["fa2", "fa3"])
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa-auto"])
 def test_fa_backends_pass_the_acceptance_run(name: str) -> None:
     device = _cuda()
     record = acceptance_run(_runnable(name, device), device)
@@ -88,6 +89,23 @@ def test_fa_grid_at_the_acceptance_corners(name: str, page: int, heads: int, q_l
             assert "planner refuses" in result.reason, result.reason
             continue
         assert result.verdict == "pass", f"{result.describe()}: {result.failures}"
+
+
+def test_fa_auto_resolves_to_fa3_on_hopper() -> None:
+    """FlashInfer's auto policy puts fa3 first where ``is_sm90a_supported`` (SM90, CUDA >= 12.3): a plain case
+    must run there and be reported as fa3, as the wrapper recorded it."""
+    from flashinfer.utils import is_sm90a_supported
+
+    device = _cuda()
+    backend = _runnable("fa-auto", device)
+    major, minor = torch.cuda.get_device_capability(device)
+    if not is_sm90a_supported(device):
+        pytest.skip(f"auto prefers fa3 only on SM90 with CUDA >= 12.3; this GPU ({torch.cuda.get_device_name(device)})"
+                    f" is SM{major}{minor}, torch's CUDA {torch.version.cuda}")
+    spec = ProblemSpec(seq_lens=(1, 65, 3000), num_heads=16, page_size=64, bmm2_extra=1.25, seed=5)
+    result = run_case(backend, spec, LayoutSpec(), device)
+    assert result.verdict == "pass", f"{result.describe()}: {result.reason} {result.failures}"
+    assert result.resolved_backend == "fa3"
 
 
 @pytest.mark.parametrize("name", FLASHINFER_BACKENDS)
@@ -132,6 +150,7 @@ def _record(result: EngineResult) -> dict:
                                default=None),
             "worst_case": worst.describe(), "worst_case_stats": worst.stats.to_json()},
         "failure": None if result.failure is None else result.failure.to_json(),
+        "resolved": resolutions(c.resolved_backend for c in ran),  # fa-auto: cases per kernel it resolved to
     }
 
 
