@@ -245,3 +245,29 @@ def test_malformed_report_to_render_exits_2(capsys, tmp_path):
     code, out, err = run_main(capsys, "report", str(path))
     _check_usage_error(code, out, err)
     assert "malformed report" in err
+
+
+def test_check_says_how_many_cases_a_policy_backend_resolved_to_each_kernel(capsys, tmp_path, monkeypatch):
+    """A backend whose calls report the kernel they chose: check's summary counts them, as the report does."""
+    from dataclasses import replace
+
+    from mla_verify import backends as registry
+
+    good = load_kernel(GOOD)
+
+    class Policy(type(good)):  # picks "one" for single-token queries, "many" for the others
+        def prepare(self, problem, layout):
+            return replace(super().prepare(problem, layout), resolved_backend="one" if problem.q_len == 1 else "many")
+
+    policy = Policy(good.name, good.fn, good.envelope)
+    monkeypatch.setattr(registry, "all_backends", lambda: {"policy": policy})
+    path = tmp_path / "r.json"
+    code, out, err = run_main(capsys, "check", *FAST, "--max-examples", "12", "--report", path)
+    assert code == 0, out + err
+    ran = [c for c in json.loads(path.read_text())["cases"] if c["verdict"] != "skip"]
+    counts = {k: sum(c["resolved_backend"] == k for c in ran) for k in ("one", "many")}
+    assert all(counts.values()), counts  # the drawn cases had both kinds of query
+    line = re.search(rf"^  {re.escape(good.name)} resolved to (\w+) on (\d+) cases, (\w+) on (\d+)$", out, re.M)
+    assert line, out
+    most, n, least, m = line.groups()
+    assert {most: int(n), least: int(m)} == counts and int(n) >= int(m)  # most first
