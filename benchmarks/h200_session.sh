@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
-#   source .gpu-bundle/activate.sh && bash benchmarks/h200_session.sh env warm gputests refbench bench
+#   source .gpu-bundle/activate.sh && MLA_COMMIT=<hash> bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
 # Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT-builds every variant of WARM_BACKENDS,
 # benchmarks/warm_jit.py), gputests
@@ -37,6 +37,7 @@ for phase in "$@"; do
   log "phase $phase"
   case $phase in
     env)
+      echo "commit ${MLA_COMMIT:-unknown (set MLA_COMMIT)}" | tee "$R/commit.txt"
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$R/nvidia-smi.csv"
       $MV doctor 2>&1 | tee "$R/doctor.txt"
       # the host that issues the launches (the reference's time on a GPU follows it, docs/reference.md): its
