@@ -124,9 +124,11 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
             budget.shrink_below(cached_tokens(case.spec.seq_lens, case.spec.page_size, case.spec.extra_pages),
                                 case.spec.batch * case.spec.q_len * case.spec.num_heads)
-        result.cases.append(r)
         if on_case is not None:
             on_case(r)
+        if r.verdict != "fail":  # the run keeps every case's result: only a failure's tensors are used later
+            r.out = r.lse = r.problem = None  # (on a GPU, thousands of outputs would fill its memory)
+        result.cases.append(r)
         if r.hung:
             raise _Stop("hung kernel")
         return r
