@@ -2,13 +2,12 @@
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
 #   source .gpu-bundle/activate.sh && MLA_COMMIT=<hash> bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
-# Phases: env (versions, doctor), probe (tolerance calibration), warm (JIT-builds every variant of WARM_BACKENDS,
-# benchmarks/warm_jit.py), gputests
-# (pytest -m gpu, one worker per core share of the GPU), reftests (tests/test_reference_cuda.py alone), refbench
-# (reference vs fa3 time and memory), bench (grid twice + agreement), fuzz (fa3 and fa2 side by side,
-# FUZZ_MINUTES each), premerge (the gate on fa2 and fa3), parallel (gputests, probe and fuzz at once), final
-# (gputests and fuzz at once, GPU memory sampled each second). FUZZ_BACKENDS and PREMERGE_BACKENDS name the
-# backends (default fa3 fa2), GPU_TESTS the test paths of gputests (default tests).
+# Phases: env (versions, doctor, commit), probe (tolerance calibration), warm (JIT-builds every variant of
+# WARM_BACKENDS, benchmarks/warm_jit.py), gputests (pytest -m gpu, GPU_TEST_WORKERS workers on the GPU),
+# reftests (tests/test_reference_cuda.py alone), refbench (reference vs fa3 time and memory), bench (grid twice
+# + agreement), fuzz (FUZZ_BACKENDS side by side, FUZZ_MINUTES each), premerge (the gate on PREMERGE_BACKENDS),
+# parallel (gputests, probe and fuzz at once), final (fuzz, gputests and premerge at once, GPU memory sampled
+# each second). FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests.
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -77,13 +76,15 @@ for phase in "$@"; do
       PROBE_CASES=${PROBE_CASES:-40} bash "$0" probe > "$R/par_probe.log" 2>&1 &
       wait
       tail -n 3 "$R"/par_*.log ;;
-    final)  # fuzz and the acceptance tests side by side
+    final)  # fuzz, the GPU tests and the premerge gate side by side
       nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -l 1 > "$R/mem_used.txt" &
       sampler=$!
       bash "$0" fuzz > "$R/par_fuzz.log" 2>&1 &
       fuzz=$!
       GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-2} bash "$0" gputests > "$R/par_gputests.log" 2>&1 &
-      wait $fuzz $!
+      tests=$!
+      bash "$0" premerge > "$R/par_premerge.log" 2>&1 &
+      wait $fuzz $tests $!
       kill $sampler
       tail -n 4 "$R"/par_*.log ;;
     premerge)
