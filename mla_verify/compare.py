@@ -87,13 +87,14 @@ def baseline_decode(problem: DecodeProblem, dtype: str) -> torch.Tensor:
 def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, baseline: torch.Tensor,
             dtype: str, lse_base: float | None,
             baseline_lse: torch.Tensor | None = None) -> tuple[ErrorStats | None, list[str]]:
-    """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference."""
+    """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference; of a ragged problem
+    only the rows that are query tokens (judged_rows)."""
     failures: list[str] = []
     if tuple(out.shape) != tuple(ref.out.shape):
         return None, [f"out has shape {tuple(out.shape)}, expected {tuple(ref.out.shape)}"]
-    o = out.detach().to(torch.float64)
-    r = ref.out.to(torch.float64).to(o.device)
-    b = baseline.to(o.device, torch.float64)
+    o = judged_rows(out.detach().to(torch.float64), ref)
+    r = judged_rows(ref.out.to(torch.float64).to(o.device), ref)
+    b = judged_rows(baseline.to(o.device, torch.float64), ref)
     finite = torch.isfinite(o)
     err = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
     base_err = (b - r).abs()
@@ -142,10 +143,20 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
         if lse is None:
             failures.append("LSE was requested but not returned")
         else:
-            slack = 0.0 if baseline_lse is None else FACTOR[dtype] * float(
-                (baseline_lse.to(torch.float64).to(r.device) - ref.lse.to(torch.float64).to(r.device)).abs().max())
+            slack = 0.0 if baseline_lse is None else FACTOR[dtype] * float(judged_rows(
+                (baseline_lse.to(torch.float64).to(r.device) - ref.lse.to(torch.float64).to(r.device)).abs(), ref).max())
             _compare_lse(lse, ref, lse_base, stats, failures, slack)
     return stats, failures
+
+
+def judged_rows(x: torch.Tensor, ref: ReferenceResult, fill: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """``x`` [B, q_len, ...] with the rows that are no request's query token (a ragged problem's padding,
+    ``ref.valid``) replaced by ``fill``: the one place such rows are left out of every judgement, so whatever a
+    kernel leaves there is never read. ``x`` itself when every row is a token."""
+    if ref.valid is None:
+        return x
+    keep = ref.valid.to(x.device).view(tuple(ref.valid.shape) + (1,) * (x.dim() - 2))
+    return torch.where(keep, x, fill)
 
 
 def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
@@ -155,8 +166,8 @@ def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: Er
         failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} "
                         "(after [B*q_len, H] -> [B, q_len, H])")
         return
-    got = lse.detach().to(torch.float64) * math.log(base)  # to natural log
-    want = ref.lse.to(torch.float64).to(got.device)
+    want = ref.lse.to(torch.float64).to(lse.device)
+    got = judged_rows(lse.detach().to(torch.float64) * math.log(base), ref, want)  # to natural log
     allowed = LSE_ABS_TOL + LSE_REL_TOL * want.abs() + slack
     err = (got - want).abs()
     bad = ~(err <= allowed)  # NaN counts as bad

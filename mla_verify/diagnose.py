@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compare import LSE_ABS_TOL, LSE_REL_TOL
+from .compare import LSE_ABS_TOL, LSE_REL_TOL, judged_rows
 from .dims import R1_YARN_FACTOR, yarn_mscale
 from .errors import ProblemError
 from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
@@ -69,7 +69,7 @@ def _solve(p: DecodeProblem) -> torch.Tensor | None:
     """The reference output of a transformed problem, or None when the misreading makes it malformed."""
     try:  # validated as if q_len were 1: a misread length may leave early query tokens nothing to see,
         # which a kernel turns into NaN rows just as the reference does, so that is no reason to give up
-        replace(p, query=p.query[:, :1]).validate()
+        replace(p, query=p.query[:, :1], q_lens=None).validate()
     except ProblemError:
         return None
     # fp32 is ~1e-5 from fp64 (reference.py): three orders below OUT_TOL, and twice as fast.
@@ -121,7 +121,7 @@ def _causal_off(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None
     B, Q, H, D = p.query.shape
     if Q == 1:
         return None
-    out = _solve(replace(p, query=p.query.reshape(B, 1, Q * H, D), dims=p.dims.with_heads(Q * H)))
+    out = _solve(replace(p, query=p.query.reshape(B, 1, Q * H, D), dims=p.dims.with_heads(Q * H), q_lens=None))
     return None if out is None else out.view(B, Q, H, -1)
 
 
@@ -206,14 +206,14 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
     problem = exact_bf16(problem)
     truth = truth if truth is not None else reference_decode(problem, precision=torch.float32)
     found: list[Explanation] = []
-    truth_error = relative_error(kernel_out, truth.out)
+    truth_error = relative_error(judged_rows(kernel_out, truth), judged_rows(truth.out, truth))
     names = list(CATALOG)
     if problem.num_heads > 2:
         # Screen on heads {0, H-1} first: every misreading acts on each head alike (the set is symmetric, so
         # reversing heads maps it onto itself), and the recomputation costs ~H/2 times less.
         heads = torch.tensor([0, problem.num_heads - 1], device=problem.device)
         sub = replace(problem, query=problem.query[:, :, heads], dims=problem.dims.with_heads(2))
-        sub_truth = ReferenceResult(truth.out[:, :, heads], truth.lse[:, :, heads])
+        sub_truth = ReferenceResult(truth.out[:, :, heads], truth.lse[:, :, heads], truth.valid)
         names = [n for n in names if _error(n, sub, kernel_out[:, :, heads], sub_truth) < tol]
     for name in names:
         error = _error(name, problem, kernel_out, truth)
@@ -221,12 +221,12 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
             found.append(Explanation(name, CATALOG[name][0], error, truth_error, OUT_METRIC))
     if kernel_lse is not None:
         natural = kernel_lse.detach().to(torch.float64) * math.log(lse_base)
-        truth_lse_error = _lse_error(natural, truth.lse)
+        truth_lse_error = _lse_error(natural, truth.lse, truth)
         for name, (base, description) in LSE_BASES.items():
             if base == lse_base or not truth_lse_error > 1:
                 continue
             # the kernel returned base-`base` values that we read as lse_base: undo that reading
-            error = _lse_error(natural, truth.lse * math.log(lse_base) / math.log(base))
+            error = _lse_error(natural, truth.lse * math.log(lse_base) / math.log(base), truth)
             if error <= 1:
                 found.append(Explanation(name, f"{description} where base {lse_base:g} is promised", error,
                                          truth_lse_error, "LSE error / tolerance"))
@@ -260,13 +260,15 @@ def explained(lines: list[str]) -> bool:
 
 
 def _error(name: str, problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult) -> float:
-    """``out`` against catalog entry ``name`` recomputed on ``problem``; inf where it does not apply."""
+    """``out`` against catalog entry ``name`` recomputed on ``problem`` (on the rows compare.py judges); inf where
+    it does not apply."""
     candidate = CATALOG[name][1](problem, truth)
-    return math.inf if candidate is None else relative_error(out, candidate)
+    return math.inf if candidate is None else relative_error(judged_rows(out, truth), judged_rows(candidate, truth))
 
 
-def _lse_error(natural: torch.Tensor, want: torch.Tensor) -> float:
-    """max |lse - want| / (compare.py's LSE tolerance), in natural-log units; inf on a NaN mismatch."""
+def _lse_error(natural: torch.Tensor, want: torch.Tensor, truth: ReferenceResult) -> float:
+    """max |lse - want| / (compare.py's LSE tolerance), in natural-log units, over the rows compare.py judges;
+    inf on a NaN mismatch."""
     want = want.to(torch.float64).to(natural.device)
-    ratio = (natural - want).abs() / (LSE_ABS_TOL + LSE_REL_TOL * want.abs())
+    ratio = judged_rows((natural - want).abs() / (LSE_ABS_TOL + LSE_REL_TOL * want.abs()), truth)
     return float(torch.nan_to_num(ratio, nan=math.inf).max()) if ratio.numel() else 0.0

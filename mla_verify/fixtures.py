@@ -148,6 +148,7 @@ def _encode(fixture_id: str, problem: DecodeProblem, meta: dict[str, Any], extra
         "bmm2_scale": problem.bmm2_scale,
         "max_seq_len": problem.max_seq_len,
         **({} if problem.window_left is None else {"window_left": problem.window_left}),
+        **({} if problem.q_lens is None else {"q_lens": list(problem.q_lens)}),
         "source_device": str(problem.device),
         "versions": library_versions(),
         "problem_stored": store_problem,
@@ -204,8 +205,9 @@ def _rebuilds(spec: ProblemSpec, problem: DecodeProblem) -> bool:
         again = build_problem(spec, problem.device)
     except MLAVerifyError:
         return False
-    same_scalars = (again.dims, again.bmm1_scale, again.bmm2_scale, again.max_seq_len, again.window_left) == (
-        problem.dims, problem.bmm1_scale, problem.bmm2_scale, problem.max_seq_len, problem.window_left)
+    same_scalars = (again.dims, again.bmm1_scale, again.bmm2_scale, again.max_seq_len, again.window_left,
+                    again.q_lens) == (problem.dims, problem.bmm1_scale, problem.bmm2_scale, problem.max_seq_len,
+                                      problem.window_left, problem.q_lens)
     return same_scalars and all(same_bits(getattr(again, n), getattr(problem, n)) for n in PROBLEM_TENSORS)
 
 
@@ -242,7 +244,8 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
             query, kv_cache, block_table, seq_lens = (tensors.pop(n) for n in PROBLEM_TENSORS)
             problem = DecodeProblem(query, kv_cache, block_table, seq_lens, MLADims(**meta["dims"]),
                                     float(meta["bmm1_scale"]), float(meta["bmm2_scale"]), meta.get("max_seq_len"),
-                                    meta.get("window_left"))
+                                    meta.get("window_left"),
+                                    None if meta.get("q_lens") is None else tuple(meta["q_lens"]))
             problem.validate()
         elif spec is None or not isinstance(meta.get("problem_tensors"), dict) or \
                 set(meta["problem_tensors"]) != set(PROBLEM_TENSORS):

@@ -46,6 +46,7 @@ class ProblemSpec:
     max_seq_len: int | None = None
     seed: int = 0
     window_left: int | None = None  # a sliding window (DecodeProblem.window_left); None: plain causal
+    q_lens: tuple[int, ...] | None = None  # per-request query tokens, each 1..q_len (DecodeProblem.q_lens)
 
     @property
     def dims(self) -> MLADims:
@@ -72,9 +73,17 @@ class ProblemSpec:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["seq_lens"] = list(self.seq_lens)
-        if self.window_left is None:  # absent unless set, so the ids of specs without a window never changed
-            del d["window_left"]
+        for key in ("window_left", "q_lens"):  # absent unless set, so the ids of specs without them never changed
+            if d[key] is None:
+                del d[key]
+        if self.q_lens is not None:
+            d["q_lens"] = list(self.q_lens)
         return d
+
+    @property
+    def query_tokens(self) -> int:
+        """The query tokens of all requests: batch x q_len, or the sum of the ragged q_lens."""
+        return self.batch * self.q_len if self.q_lens is None else sum(self.q_lens)
 
     @classmethod
     def from_json(cls, d: dict) -> ProblemSpec:
@@ -82,7 +91,8 @@ class ProblemSpec:
         unknown = set(d) - fields
         if unknown:
             raise ProblemError(f"spec: unknown field(s) {sorted(unknown)}")
-        return cls(**{**d, "seq_lens": tuple(d["seq_lens"])})
+        q_lens = d.get("q_lens")
+        return cls(**{**d, "seq_lens": tuple(d["seq_lens"]), "q_lens": None if q_lens is None else tuple(q_lens)})
 
     def case_id(self) -> str:
         """Stable id: a hash of every parameter, the seed included."""
@@ -96,7 +106,8 @@ class ProblemSpec:
                 f"dims=({self.kv_lora_rank},{self.qk_rope_head_dim}) {self.dtype} seq_lens={shown} "
                 f"bmm1={self.bmm1_scale:.6g} bmm2={self.bmm2_scale:.6g} values={self.values} "
                 f"pool=+{self.extra_pages} pad=+{self.table_pad}({self.pad_fill}) seed={self.seed}"
-                + ("" if self.window_left is None else f" window_left={self.window_left}"))
+                + ("" if self.window_left is None else f" window_left={self.window_left}")
+                + ("" if self.q_lens is None else f" q_lens={list(self.q_lens)}"))
 
 
 def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> DecodeProblem:
@@ -135,7 +146,7 @@ def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> Deco
     pool[table[used_mask].long()] = torch.where(
         valid[used_mask][..., None], kv_tokens.view(used, page, width), float("nan"))
     problem = DecodeProblem(q.to(dtype), pool.to(dtype), table, lens, dims, spec.bmm1_scale, spec.bmm2_scale,
-                            spec.max_seq_len, spec.window_left)
+                            spec.max_seq_len, spec.window_left, spec.q_lens)
     return problem.validate()
 
 

@@ -234,8 +234,9 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
         failures.append(f"kernel returned something off-contract: {exception_line(exc, located=False)}")
         return None
     unwritten = prepared.out is not None and bool(torch.isinf(prepared.out).all())
-    if prepared.out is not None and isinstance(out, torch.Tensor):  # not a tensor at all: one message, below
-        if out.data_ptr() != prepared.out.data_ptr():
+    returned = out if prepared.kernel_out is None else prepared.kernel_out(raw)
+    if prepared.out is not None and isinstance(returned, torch.Tensor):  # not a tensor at all: one message, below
+        if returned.data_ptr() != prepared.out.data_ptr():
             failures.append("kernel returned a tensor other than the `out` buffer it was given"
                             + (", and left that buffer unwritten (out= ignored)" if unwritten else ""))
     if isinstance(out, torch.Tensor) and out.dtype != torch.bfloat16:

@@ -4,7 +4,8 @@
   page-strided view into a larger NaN-filled pool; block tables at their native width or padded to a
   multiple of 128 / page_size (what trtllm-gen's "auto" dispatch requires).
 - FlashInfer wrapper CSR metadata (qo_indptr, kv_indptr, kv_indices, kv_len_arr) with split q_nope/q_pe
-  and ckv/kpe views of one pool.
+  and ckv/kpe views of one pool; a ragged problem's query tokens packed by request (``qo_indptr`` from its
+  q_lens) and its output rows put back in the padded canonical form (``padded_rows``).
 - The paging arithmetic they all share: how many table entries a sequence uses (``page_counts``), which
   entries of a table are pages and which are padding (``used_entries``), and the CSR page lists
   (``csr_metadata``).
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -73,14 +75,19 @@ class CsrMetadata(NamedTuple):
     kv_len_arr: torch.Tensor  # [B]: the sequence lengths themselves
 
 
-def csr_metadata(seq_lens: torch.Tensor, q_len: int, page_size: int,
-                 block_table: torch.Tensor | None = None) -> CsrMetadata:
-    """CSR page lists for int32 ``seq_lens`` with ``q_len`` query tokens each, on ``seq_lens``' device. The page
-    ids are ``block_table``'s used entries; without a table they are zeros (what a planner's checks need)."""
+def csr_metadata(seq_lens: torch.Tensor, q_len: int, page_size: int, block_table: torch.Tensor | None = None,
+                 q_lens: Sequence[int] | None = None) -> CsrMetadata:
+    """CSR page lists for int32 ``seq_lens`` with ``q_len`` query tokens each (or request b ``q_lens[b]``), on
+    ``seq_lens``' device. The page ids are ``block_table``'s used entries; without a table they are zeros (what a
+    planner's checks need)."""
     pages = page_counts(seq_lens, page_size)
     kv_indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
     batch, device = seq_lens.shape[0], seq_lens.device
-    qo_indptr = torch.arange(0, (batch + 1) * q_len, q_len, device=device, dtype=torch.int32)
+    if q_lens is None:
+        qo_indptr = torch.arange(0, (batch + 1) * q_len, q_len, device=device, dtype=torch.int32)
+    else:
+        tokens = torch.tensor(q_lens, dtype=torch.int64, device=device)
+        qo_indptr = torch.nn.functional.pad(torch.cumsum(tokens, 0), (1, 0)).to(torch.int32)
     if block_table is None:
         kv_indices = torch.zeros(int(kv_indptr[-1]), dtype=torch.int32, device=device)
     else:
@@ -135,8 +142,8 @@ class WrapperArgs:
     kv_indptr: torch.Tensor  # [B+1] int32: request b's pages are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
     kv_indices: torch.Tensor  # [sum pages] int32
     kv_len_arr: torch.Tensor  # [B] int32
-    q_nope: torch.Tensor  # [B*q_len, H, L]
-    q_pe: torch.Tensor  # [B*q_len, H, R]
+    q_nope: torch.Tensor  # [total_q, H, L]: B*q_len rows, or the ragged requests' tokens only, request by request
+    q_pe: torch.Tensor  # [total_q, H, R]
     ckv: torch.Tensor  # [P, page, L]  view of the pool
     kpe: torch.Tensor  # [P, page, R]  view of the same pool
     pool: torch.Tensor
@@ -146,9 +153,22 @@ def wrapper_args(problem: DecodeProblem, layout: LayoutSpec) -> WrapperArgs:
     p = problem
     L = p.dims.kv_lora_rank
     view, pool = strided_pool(p.kv_cache, layout.page_stride_pad)
-    csr = csr_metadata(p.seq_lens, p.q_len, p.page_size, p.block_table)
-    q = p.query.reshape(p.batch * p.q_len, p.num_heads, -1)
+    csr = csr_metadata(p.seq_lens, p.q_len, p.page_size, p.block_table, p.q_lens)
+    valid = p.valid_rows()
+    # ragged: only each request's own tokens, packed in request order (a copy); uniform: a view
+    q = p.query.reshape(p.batch * p.q_len, p.num_heads, -1) if valid is None else p.query[valid]
     return WrapperArgs(*csr, q[..., :L], q[..., L:], view[..., :L], view[..., L:], pool)
+
+
+def padded_rows(packed: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Packed ragged rows [total_q, ...] back in the canonical [B, q_len, ...] (``valid`` [B, q_len]: the rows that
+    are tokens); the padding rows are NaN, which the comparison never reads (were it read, it would show)."""
+    if packed.shape[0] != int(valid.sum()):
+        raise ValueError(f"{packed.shape[0]} rows returned for {int(valid.sum())} query tokens")
+    rows = torch.full(tuple(valid.shape) + tuple(packed.shape[1:]), float("nan"), dtype=packed.dtype,
+                      device=packed.device)
+    rows[valid] = packed
+    return rows
 
 
 def csr_to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, fill: int = 0) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from .compare import FACTOR, LSE_ABS_TOL, LSE_REL_TOL, baseline_decode
+from .compare import FACTOR, LSE_ABS_TOL, LSE_REL_TOL, baseline_decode, judged_rows
 from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
 from .generate import DTYPES
 from .problem import DecodeProblem
@@ -49,6 +49,7 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
     """Lines (each starting with ``WHERE``) saying where ``out`` [B, q_len, H, L] (and ``lse`` [B, q_len, H]
     in ``lse_base``) are wrong and right; ``rerun`` runs the kernel again, to tell a NaN's cause."""
     dtype = {v: k for k, v in DTYPES.items()}[problem.query.dtype]
+    out = judged_rows(out, truth)  # a ragged problem's padding rows: 0, neither wrong nor non-finite
     wide = exact_bf16(problem)
     err, allowed = _row_errors(wide, out, truth, dtype)
     wrong = err > allowed
@@ -70,7 +71,7 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
     if lse is not None and tuple(lse.shape) == tuple(truth.lse.shape):
         natural = lse.detach().to(torch.float64) * math.log(lse_base)
         want = truth.lse.to(torch.float64).to(natural.device)
-        bad = ~((natural - want).abs() <= LSE_ABS_TOL + LSE_REL_TOL * want.abs())
+        bad = judged_rows(~((natural - want).abs() <= LSE_ABS_TOL + LSE_REL_TOL * want.abs()), truth, False)
         if bool(bad.any()):
             lines.append(WHERE + f"the LSE is wrong in {_region(wide, bad) or _listing(bad)} "
                          f"({int(bad.sum())} of {bad.numel()} values)")
@@ -84,7 +85,7 @@ def _row_errors(p: DecodeProblem, out: torch.Tensor, truth: ReferenceResult,
     o = out.detach().to(torch.float64)
     r = truth.out.to(torch.float64).to(o.device)
     norm = r.norm(dim=-1).clamp_min(1e-30)
-    err = torch.where(torch.isfinite(o).all(-1), (o - r).norm(dim=-1) / norm, math.inf)
+    err = judged_rows(torch.where(torch.isfinite(o).all(-1), (o - r).norm(dim=-1) / norm, math.inf), truth)
     base = (baseline_decode(p, dtype).to(o.device, torch.float64) - r).norm(dim=-1) / norm
     return err, (FACTOR[dtype] * base).clamp_min(ROW_FLOOR)
 
@@ -167,9 +168,11 @@ def _batch_set(p: DecodeProblem, bm: torch.Tensor) -> str:
 
 
 def _token_positions(p: DecodeProblem, bt: torch.Tensor) -> str | None:
-    """(batch, token) rows by the position of the query token (seq_len - q_len + t), when a threshold fits."""
+    """(batch, token) rows by the position of the query token (seq_len - q_len + t; a ragged request's own
+    q_len), when a threshold fits."""
     Q = bt.shape[1]
-    pos = p.seq_lens.to(bt.device).long()[:, None] - Q + torch.arange(Q, device=bt.device)[None, :]
+    own = p.request_q_lens().to(bt.device)[:, None]
+    pos = p.seq_lens.to(bt.device).long()[:, None] - own + torch.arange(Q, device=bt.device)[None, :]
     lo, hi = int(pos[bt].min()), int(pos[bt].max())
     for fits, rule in ((pos >= lo, f">= {lo}"), (pos <= hi, f"<= {hi}")):
         if torch.equal(fits, bt):
@@ -189,12 +192,12 @@ def _key_rule(p: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, wrong
     misreading must clear), or why none does."""
     picks = _pick_rows(wrong)
     Q = p.q_len
-    lens = p.seq_lens.tolist()
+    lens, own_q = p.seq_lens.tolist(), p.request_q_lens().tolist()
     longest = max(lens[b] for b, _, _ in picks)
     step = 1 << max(0, math.ceil(math.log2(max(1, longest) / MAX_CHUNKS)))  # chunk length: a power of two
     bounds, seen = [], []
     for b, t, _ in picks:
-        n, visible = lens[b], lens[b] - Q + t + 1
+        n, visible = lens[b], lens[b] - own_q[b] + t + 1
         first = 0 if p.window_left is None else max(0, visible - 1 - p.window_left)  # the window's start
         near = [*range(visible - 2 * Q - 1, visible + Q + 1), *range(first - 2, first + 3)]  # both ends, finely
         bounds.append(sorted({0, n, *range(step, n, step), *(x for x in near if 0 < x < n)}))

@@ -48,7 +48,8 @@ def transform(p: DecodeProblem, name: str, seed: int = 0) -> tuple[DecodeProblem
         return replace(p, block_table=torch.nn.functional.pad(p.block_table, (0, 5), value=0)), _identity
     if name == "batch":
         order = torch.arange(p.batch - 1, -1, -1, device=p.device)
-        moved = replace(p, query=p.query[order], block_table=p.block_table[order], seq_lens=p.seq_lens[order])
+        moved = replace(p, query=p.query[order], block_table=p.block_table[order], seq_lens=p.seq_lens[order],
+                        q_lens=None if p.q_lens is None else p.q_lens[::-1])
 
         def unmap(out: torch.Tensor, lse: torch.Tensor | None):
             return out[order], (None if lse is None else lse[order])

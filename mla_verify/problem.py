@@ -5,6 +5,10 @@ The canonical form every backend layout is derived from:
   kv_cache    [P, page_size, kv_lora_rank + qk_rope_head_dim]   one latent row per token: kv_c then k_pe
   block_table [B, W] int32; row b's first ceil(seq_len/page) entries are the pages of sequence b
   seq_lens    [B] int32, KV length *including* the q_len new tokens (token i sits at seq_len - q_len + i)
+  q_lens      None (every request has q_len query tokens) or per-request query lengths, each 1..q_len (the
+              query's padded length): request b's tokens are its first q_lens[b] query rows, token i sits at
+              seq_len - q_lens[b] + i, and the rows after them are padding that no result depends on (FlashInfer's
+              ragged ``qo_indptr``)
   window_left None (causal attention over the whole prefix) or a sliding window: query token i also sees the
               window_left positions before its own and no earlier ones (FlashInfer's ``window_left``)
 Scores are ``bmm1_scale * q.k`` (bmm1_scale includes the softmax scale and any fp8 dequant scales);
@@ -35,6 +39,7 @@ class DecodeProblem:
     bmm2_scale: float = 1.0
     max_seq_len: int | None = None  # None: max(seq_lens)
     window_left: int | None = None  # None: no sliding window (see the module docstring)
+    q_lens: tuple[int, ...] | None = None  # None: q_len query tokens per request (see the module docstring)
 
     @property
     def batch(self) -> int:
@@ -68,6 +73,18 @@ class DecodeProblem:
     @property
     def effective_max_seq_len(self) -> int:
         return int(self.seq_lens.max()) if self.max_seq_len is None else self.max_seq_len
+
+    def request_q_lens(self) -> torch.Tensor:
+        """[B] int64: each request's query tokens (q_len for every one unless the problem is ragged)."""
+        if self.q_lens is None:
+            return torch.full((self.batch,), self.q_len, dtype=torch.long, device=self.device)
+        return torch.tensor(self.q_lens, dtype=torch.long, device=self.device)
+
+    def valid_rows(self) -> torch.Tensor | None:
+        """[B, q_len] bool: the query rows that are a request's tokens; None when every row is (not ragged)."""
+        if self.q_lens is None:
+            return None
+        return torch.arange(self.q_len, device=self.device)[None, :] < self.request_q_lens()[:, None]
 
     def pages_used(self) -> torch.Tensor:
         """[B] number of block-table entries each sequence uses."""
@@ -116,6 +133,10 @@ class DecodeProblem:
         if self.max_seq_len is not None:
             _expect(self.max_seq_len >= max(lens), "max_seq_len",
                     f"max_seq_len = {self.max_seq_len} is below the longest sequence ({max(lens)})")
+        ql = self.q_lens
+        _expect(ql is None or (isinstance(ql, tuple) and len(ql) == len(lens)
+                               and all(isinstance(n, int) and 1 <= n <= self.q_len for n in ql)), "q_lens",
+                f"must be None or a tuple of {len(lens)} ints in 1..q_len = {self.q_len}, got {ql!r}")
         w = self.window_left
         _expect(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0), "window_left",
                 f"must be None or an int >= 0, got {w!r}")
@@ -128,7 +149,7 @@ class DecodeProblem:
         """The same problem with every tensor on ``device``."""
         return DecodeProblem(self.query.to(device), self.kv_cache.to(device), self.block_table.to(device),
                              self.seq_lens.to(device), self.dims, self.bmm1_scale, self.bmm2_scale, self.max_seq_len,
-                             self.window_left)
+                             self.window_left, self.q_lens)
 
 
 def _expect(ok: bool, field: str, message: str) -> None:

@@ -48,6 +48,7 @@ MIN_GROUP_BYTES = 384 << 20
 class ReferenceResult:
     out: torch.Tensor  # [B, q_len, H, kv_lora_rank] in the reference precision
     lse: torch.Tensor  # [B, q_len, H] natural-log log-sum-exp of the scaled scores
+    valid: torch.Tensor | None = None  # [B, q_len] bool: the rows that are query tokens (None: all; ragged q_lens)
 
     @property
     def lse_base2(self) -> torch.Tensor:
@@ -103,8 +104,13 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     longest = _whole_pages(lens[0], page)  # at least one page: lens >= 1
     positions = torch.arange(longest, device=p.device)
     # [B, Q, 1, longest]: the positions query token i must not see (it sees seq_len - Q + i and before); for one
-    # query token, seq_len and after, two launches fewer
-    first_hidden_at = seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device) if Q > 1 else seq_lens[:, None]
+    # query token, seq_len and after, two launches fewer. Ragged: request b's token i sees seq_len - q_lens[b] + i
+    # and before; its padding rows (i >= q_lens[b]) see the whole sequence, finite values no one judges
+    if p.q_lens is not None:
+        first_hidden_at = torch.minimum(seq_lens[:, None] - p.request_q_lens()[longest_first, None] + 1
+                                        + torch.arange(Q, device=p.device), seq_lens[:, None])
+    else:
+        first_hidden_at = seq_lens[:, None] + torch.arange(1 - Q, 1, device=p.device) if Q > 1 else seq_lens[:, None]
     hidden = positions >= first_hidden_at[:, :, None, None]
     past_end = hidden[:, -1, 0]
     if p.window_left is not None:  # a sliding window also hides what lies before each token's window
@@ -128,7 +134,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             # checks arguments the reference never passes, and costs host time on every group
             kv = torch.embedding(cache_rows, rows[group, :tokens])
             # positions before the group's shortest sequence's first causal limit are visible to every token
-            # (>= 1: validation keeps seq_len >= q_len) -- unless a sliding window hides the earliest ones
+            # (>= 1: validation keeps seq_len >= q_len; a ragged request's limit is later, as q_lens <= q_len)
+            # -- unless a sliding window hides the earliest ones
             first_hidden = lens[stop - 1] - Q + 1 if p.window_left is None else 0
             _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
                     (out[group], top[group], top_share[group], top_at[group]))
@@ -138,7 +145,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
 
     def unsorted(x: torch.Tensor) -> torch.Tensor:  # x may be a view of the halves' buffer: a new, dense tensor
         return torch.empty(x.shape, dtype=x.dtype, device=x.device).index_copy_(0, longest_first, x)
-    return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H))
+    return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H), p.valid_rows())
 
 
 def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):
@@ -272,7 +279,7 @@ def unabsorbed_decode(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.
     q_nope [B, q_len, H, qk_nope] is the query before absorption (problem.query's latent part must equal
     q_nope @ w_uk); w_uk [H, qk_nope, L]; w_uv [H, L, v_head_dim]. Expands k_nope = kv_c @ w_uk^T and
     v = kv_c @ w_uv for each sequence, with one Python loop over sequences and tokens laid out densely,
-    and returns [B, q_len, H, v_head_dim].
+    and returns [B, q_len, H, v_head_dim] (a ragged request's padding rows see its whole sequence).
     """
     p = problem
     L = p.dims.kv_lora_rank
@@ -286,7 +293,7 @@ def unabsorbed_decode(problem: DecodeProblem, q_nope: torch.Tensor, w_uk: torch.
         qn = q_nope[b].double().transpose(0, 1)  # [H, Q, nope]
         qp = p.query[b, :, :, L:].double().transpose(0, 1)  # [H, Q, rope]
         s = (qn @ k_nope.transpose(1, 2) + qp @ k_pe.T[None]) * p.bmm1_scale  # [H, Q, n]
-        limit = n - p.q_len + torch.arange(p.q_len, device=p.device)
+        limit = (n - int(p.request_q_lens()[b]) + torch.arange(p.q_len, device=p.device)).clamp(max=n - 1)
         at = torch.arange(n, device=p.device)[None, None, :]
         hidden = at > limit[None, :, None]
         if p.window_left is not None:

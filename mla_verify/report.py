@@ -132,7 +132,8 @@ def junit_xml(report: dict[str, Any]) -> str:
 def _short(c: dict[str, Any]) -> str:
     s = c["spec"]
     lens = s["seq_lens"]
-    return (f"B={len(lens)} H={s['num_heads']} q={s['q_len']} page={s['page_size']} "
+    q = s["q_len"] if s.get("q_lens") is None else f"{s['q_len']}(ragged)"
+    return (f"B={len(lens)} H={s['num_heads']} q={q} page={s['page_size']} "
             f"({s['kv_lora_rank']},{s['qk_rope_head_dim']}) {s['dtype']} max_seq={max(lens)}")
 
 

@@ -2,26 +2,29 @@
 minimal in Hypothesis's order of choices but not in size.
 
 ``simplify`` tries one change at a time -- keep half the batch, fewer heads or query tokens, a shorter longest
-sequence, then drop an incidental feature (unused pages, table padding, a strided pool, a non-default scale, a
-metamorphic check) -- and keeps each change under which the case still fails, until no change does or the
-attempts run out. Lengths approach the shortest failing one geometrically (half, then three quarters, ...), so
+sequence, then drop an incidental feature (unused pages, table padding, a strided pool, a non-default scale,
+per-request q_lens, a metamorphic check) -- and keeps each change under which the case still fails, until no
+change does or the attempts run out. Lengths approach the shortest failing one geometrically (half, then three quarters, ...), so
 a failure that needs a long sequence is reported near the shortest length that shows it. Import rule: the
 strategy layer's ``Case`` and the backend envelope; it runs cases through the callable it is given.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backends.base import Envelope
 from .strategies import Case
 
+if TYPE_CHECKING:
+    from .generate import ProblemSpec
+
 MAX_ATTEMPTS = 48  # cases run at most: a corner failure is big, and each attempt costs a case of its size
 MAX_SECONDS = 30.0  # and at most this long: a 131072-token case costs ~1 s an attempt on a 2-core machine
 PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
-                  softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0)
+                  softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0, q_lens=None)
 
 
 def size(case: Case) -> tuple[int, int]:
@@ -66,17 +69,18 @@ def _smaller(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
     lens = s.seq_lens
     if len(lens) > 1:
         half = len(lens) // 2
-        yield f"batch first {half}", replace(case, spec=replace(s, seq_lens=lens[:half]))
-        yield f"batch last {len(lens) - half}", replace(case, spec=replace(s, seq_lens=lens[half:]))
+        yield f"batch first {half}", replace(case, spec=_requests(s, range(half)))
+        yield f"batch last {len(lens) - half}", replace(case, spec=_requests(s, range(half, len(lens))))
         if len(lens) <= 8:
             for i in range(len(lens)):
-                yield f"batch without {i}", replace(case, spec=replace(s, seq_lens=lens[:i] + lens[i + 1:]))
+                yield f"batch without {i}", replace(case, spec=_requests(s, [j for j in range(len(lens)) if j != i]))
     for heads in sorted({h for h in (1, s.num_heads // 2) if h < s.num_heads and env.allows_heads(h)}):
         yield f"heads {heads}", replace(case, spec=replace(s, num_heads=heads))
     low_q = env.q_len[0]
     for q in sorted({q for q in (low_q, s.q_len // 2) if low_q <= q < s.q_len}):
         if min(lens) >= q:
-            yield f"q_len {q}", replace(case, spec=replace(s, q_len=q))
+            q_lens = None if s.q_lens is None else tuple(min(n, q) for n in s.q_lens)
+            yield f"q_len {q}", replace(case, spec=replace(s, q_len=q, q_lens=q_lens))
     longest = max(range(len(lens)), key=lambda i: lens[i])
     n, lo = lens[longest], s.q_len
     for step in (2, 4, 8, 16, 32):  # n - (n - lo) / 2, then closer to n: the shortest failing length is near
@@ -84,6 +88,12 @@ def _smaller(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
         if lo <= shorter < n:
             yield f"length {shorter}", replace(case, spec=replace(s, seq_lens=lens[:longest] + (shorter,)
                                                                    + lens[longest + 1:]))
+
+
+def _requests(s: ProblemSpec, kept: Sequence[int]) -> ProblemSpec:
+    """``s`` with only the requests ``kept`` (their seq_lens and, if ragged, their q_lens)."""
+    return replace(s, seq_lens=tuple(s.seq_lens[i] for i in kept),
+                   q_lens=None if s.q_lens is None else tuple(s.q_lens[i] for i in kept))
 
 
 def _plainer(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:

@@ -232,6 +232,7 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     # (after an OOM the clamp may cut a batch to a size outside env.batch_sizes: then its case is a skip)
     lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap, window), page, q_len, heads, extra_pages,
                          budget.cap_tokens, budget.cap_rows)
+    q_lens = _q_lens(draw, len(lens), q_len) if env.ragged_q and q_len > 1 else None  # no draw otherwise
     softmax = _named_or(draw, NAMED_SOFTMAX, _SOFTMAX)
     q_scale = k_scale = 1.0
     if dtype == "fp8":  # realistic per-tensor scales, k_scale != 1 included
@@ -242,7 +243,20 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
         qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
         bmm2_extra=_named_or(draw, NAMED_SCALES, _BMM2), extra_pages=extra_pages,
         shuffle_pages=not draw(_BOOL), table_pad=draw(_ints(0, 4)), pad_fill=_pick(draw, PAD_FILLS),
-        values=_pick(draw, VALUE_KINDS), seed=draw(_SEED), window_left=window)
+        values=_pick(draw, VALUE_KINDS), seed=draw(_SEED), window_left=window, q_lens=q_lens)
+
+
+def _q_lens(draw: st.DrawFn, batch: int, q_len: int) -> tuple[int, ...] | None:
+    """Per-request query lengths in 1..q_len, or None (every request q_len long), which they shrink toward: up to
+    EXPLICIT_BATCH requests each is drawn as q_len less an amount that shrinks to 0; a larger
+    batch takes them from a seed. None when all come out q_len."""
+    if not draw(_BOOL):
+        return None
+    if batch <= EXPLICIT_BATCH:
+        lens = [q_len - draw(_ints(0, q_len - 1)) for _ in range(batch)]
+    else:
+        lens = [int(n) for n in np.random.default_rng(draw(_PROFILE_SEED)).integers(1, q_len + 1, batch)]
+    return None if min(lens) == q_len else tuple(lens)
 
 
 def _layout(draw: st.DrawFn, env: Envelope) -> LayoutSpec:
@@ -319,6 +333,11 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
                                     q_scale=2.0, k_scale=0.5, bmm2_extra=1.5, seed=4,
                                     **{**r1, "dtype": "fp8", "kv_lora_rank": fp8_rank,
                                        "qk_rope_head_dim": fp8_rope}), full, "pool"))
+    if env.ragged_q and q_hi > 1:  # requests of 1, q_hi and between tokens, in reversed order too
+        lens = edges(small)
+        steps = (1, q_hi, (1 + q_hi) // 2)
+        out.append(Case(ProblemSpec(seq_lens=lens, q_len=q_hi, q_lens=tuple(steps[i % 3] for i in range(len(lens))),
+                                    num_heads=h_few, page_size=small, bmm2_extra=1.5, seed=8, **r1), native, "batch"))
     for other_rank, other_rope in env.dims[1:]:
         out.append(Case(ProblemSpec(seq_lens=edges(small), q_len=q_lo, num_heads=h_few, page_size=small, seed=5,
                                     **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))

@@ -16,6 +16,7 @@ import torch
 from mla_verify.backends import get_backend
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.backends.flashinfer_wrapper import FlashInferWrapperBackend
+from mla_verify.fixtures import DEFAULT_MAX_REPRODUCER_MIB, load_fixture, write_reproducer
 from mla_verify.generate import ProblemSpec, build_problem
 from mla_verify.harness import run_case
 from mla_verify.layouts import LayoutSpec, csr_to_block_table
@@ -41,24 +42,49 @@ class FakeFaModule:
         return [0], 0
 
     def run(self, *a: Any) -> None:
+        """Request by request (qo_indptr may be ragged): its own rows as a one-request CPU-peer call."""
         self.run_args = a
         q_nope, q_pe, ckv, kpe, kv_indices, out, lse = a[3], a[4], a[5], a[6], a[7], a[8], a[9]
         mask_mode, heads, page, sm_scale, base_e, ckv_scale, kpe_scale = a[10:17]
         qo_indptr, kv_indptr, kv_len = self.plan_args[3], self.plan_args[4], self.plan_args[5]
-        B, q_len = kv_len.numel(), int(qo_indptr[1] - qo_indptr[0])
-        query = torch.cat([q_nope, q_pe], dim=-1).view(B, q_len, heads, -1)
+        query = torch.cat([q_nope, q_pe], dim=-1)
         cache = torch.cat([ckv.float() * ckv_scale, kpe.float() * kpe_scale], dim=-1)
         table = csr_to_block_table(kv_indptr, kv_indices)
-        o, s = cpu_peer_decode(query, cache, None, 0, ckv.shape[-1], kpe.shape[-1], table, kv_len,
-                               int(kv_len.max()), bmm1_scale=sm_scale, return_lse=True)
-        out.copy_(o.view_as(out))
-        if lse is not None:
-            lse.copy_(s * (math.log(2.0) if base_e else 1.0))
+        for b in range(kv_len.numel()):
+            rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+            o, s = cpu_peer_decode(self.request_query(query[rows], heads), cache, None, 0, ckv.shape[-1],
+                                   kpe.shape[-1], table[b:b + 1], kv_len[b:b + 1], int(kv_len[b]),
+                                   bmm1_scale=sm_scale, return_lse=True)
+            q = rows.stop - rows.start
+            out[rows] = o.view(-1, heads, out.shape[-1])[:q]
+            if lse is not None:
+                lse[rows] = (s * (math.log(2.0) if base_e else 1.0))[:q]
+
+    def request_query(self, rows: torch.Tensor, heads: int) -> torch.Tensor:
+        """One request's query rows [q, H, D] as a [1, q, H, D] query."""
+        return rows.reshape(1, rows.shape[0], heads, -1)
+
+
+class IgnoresQLens(FakeFaModule):
+    """A mutant: every request's tokens get the causal offset of the batch's longest query (its rows padded at
+    the end to that length), as a kernel that read one q_len for the whole batch would."""
+
+    def plan_with_staged_workspace_bytes(self, *args: Any) -> tuple[list[int], int]:
+        self.max_q = int((args[3][1:] - args[3][:-1]).max())
+        return super().plan_with_staged_workspace_bytes(*args)
+
+    def request_query(self, rows: torch.Tensor, heads: int) -> torch.Tensor:
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, self.max_q - rows.shape[0]))
+        return super().request_query(padded, heads)
 
 
 @pytest.fixture
 def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> FakeFaModule:
-    module = FakeFaModule()
+    return _install(monkeypatch, FakeFaModule())
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, module: FakeFaModule) -> FakeFaModule:
+    """``module`` as the FA module of a faked H200."""
     for target in (fa_common, wrapper_module):
         monkeypatch.setattr(target, "get_compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(fa_common, "get_device_sm_count", lambda device: 132)
@@ -217,3 +243,67 @@ def test_auto_refuses_where_both_fa_planners_refuse(auto_on_hopper: list[str]) -
 
 def test_other_backends_report_no_resolution(fake_hopper: FakeFaModule) -> None:
     assert run_case(_on_cpu("fa3"), SPEC, LayoutSpec(), "cpu").resolved_backend is None
+
+
+# ragged q_len: per-request query lengths, a 1 and the maximum among them
+RAGGED = [
+    (replace(SPEC, q_lens=(1, 3, 2)), LayoutSpec()),
+    (replace(SPEC, seq_lens=(5, 64, 17, 129), q_len=5, q_lens=(5, 1, 4, 2), page_size=1, num_heads=8),
+     LayoutSpec(page_stride_pad=3, pass_out=False)),
+    (replace(SPEC, q_lens=(3, 1, 1), dtype="fp8", q_scale=0.5, k_scale=2.0, page_size=64), LayoutSpec(return_lse=False)),
+    (replace(SPEC, q_lens=(2, 3, 1), qk_rope_head_dim=0), LayoutSpec(page_stride_pad=2)),
+]
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3"])
+@pytest.mark.parametrize("transform", ["none", "batch"])
+@pytest.mark.parametrize("spec,layout", RAGGED, ids=[str(i) for i in range(len(RAGGED))])
+def test_ragged_requests_pass_through_flashinfers_wrapper(fake_hopper: FakeFaModule, name: str, transform: str,
+                                                          spec: ProblemSpec, layout: LayoutSpec) -> None:
+    result = run_case(_on_cpu(name), spec, layout, "cpu", transform=transform)
+    assert result.verdict == "pass", result.failures
+
+
+def test_a_ragged_problem_is_planned_by_request_and_its_padding_rows_left_nan(fake_hopper: FakeFaModule) -> None:
+    spec, layout = RAGGED[0]
+    problem = build_problem(spec)
+    prepared = _on_cpu("fa3").prepare(problem, layout)
+    raw = prepared.invoke()
+    qo_indptr, q_nope, out = fake_hopper.plan_args[3], fake_hopper.run_args[3], fake_hopper.run_args[8]
+    assert qo_indptr.tolist() == [0, 1, 4, 6]  # request b's rows: its own q_lens[b] tokens, packed
+    assert torch.equal(q_nope, torch.cat([problem.query[b, :n, :, :512] for b, n in enumerate(spec.q_lens)]))
+    assert out is prepared.out and out.shape == (6, spec.num_heads, 512) and raw[0] is out
+    canonical, lse = prepared.to_canonical(raw)
+    assert canonical.shape == problem.out_shape and lse.shape == problem.out_shape[:3]
+    padding = ~problem.valid_rows()
+    assert bool(canonical[padding].isnan().all()) and bool(lse[padding].isnan().all())
+    assert not bool(canonical[~padding].isnan().any())
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa3"])
+def test_a_kernel_that_gives_every_request_the_longest_query_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                                                       name: str) -> None:
+    _install(monkeypatch, IgnoresQLens())
+    spec, layout = RAGGED[0]
+    assert run_case(_on_cpu(name), replace(spec, q_lens=None), layout, "cpu").verdict == "pass"  # same when uniform
+    result = run_case(_on_cpu(name), spec, layout, "cpu")
+    assert result.verdict == "fail" and "relative L2 error" in " ".join(result.failures), result.failures
+    assert not any(line.startswith("diagnosis failed") for line in result.diagnosis), result.diagnosis
+    assert not any("NaN" in line for line in result.diagnosis), result.diagnosis  # padding rows are not judged
+
+
+def test_a_ragged_reproducer_replays_to_the_same_verdict(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    _install(monkeypatch, IgnoresQLens())
+    spec, layout = RAGGED[0]
+    failed = run_case(_on_cpu("fa2"), spec, layout, "cpu")
+    for store in (False, True):  # spec-only (rebuilt from the spec) and with the problem's tensors
+        written = write_reproducer(tmp_path / str(store), failed.id, failed.problem, None if store else spec,
+                                   {"spec": spec.to_json(), "layout": layout.to_json()}, failed.out, failed.lse,
+                                   DEFAULT_MAX_REPRODUCER_MIB << 20)
+        fx = load_fixture(written.path)
+        assert fx.spec == spec and (fx.problem is not None) == store
+        problem, exact = fx.problem_on("cpu")
+        assert exact and problem.q_lens == spec.q_lens
+        again = run_case(_on_cpu("fa2"), fx.spec, fx.layout, "cpu", problem=problem)
+        assert again.verdict == "fail" and again.failures == failed.failures
+

@@ -37,6 +37,9 @@ class Envelope:
     q_len: tuple[int, int] = (1, 1)  # inclusive range
     q_lens: tuple[int, ...] | None = None  # the only q_len values taken within that range (None: all of them)
     batch_sizes: tuple[int, ...] | None = None  # the only batch sizes taken (None: 1..max_batch)
+    # per-request query lengths (ProblemSpec.q_lens): only a kernel told each request's own q_len takes them
+    # (FlashInfer's wrapper, through qo_indptr); Contract 1's callable has one q_len for the whole batch
+    ragged_q: bool = False
     windows: tuple[int | None, ...] = (None,)  # sliding windows (window_left) taken; None: plain causal
     cache_dims: tuple[int, ...] = (3,)
     page_strided: bool = True
@@ -71,6 +74,8 @@ class Envelope:
             (self.q_len[0] <= spec.q_len <= self.q_len[1],
              f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
             (self.q_lens is None or spec.q_len in self.q_lens, f"q_len {spec.q_len} (supported: {self.q_lens})"),
+            (self.ragged_q or spec.q_lens is None,
+             f"per-request q_lens {list(spec.q_lens or ())} (this kernel takes one q_len for every request)"),
             (self.batch_sizes is None or spec.batch in self.batch_sizes,
              f"batch {spec.batch} (supported: {self.batch_sizes})"),
             (spec.window_left in self.windows, f"window_left {spec.window_left} (supported: {list(self.windows)})"),
@@ -102,6 +107,9 @@ class PreparedCall:
     # the output (doing it in bf16 after the kernel would add a rounding the kernel did not make)
     resolved_backend: str | None = None  # the library's own kernel choice when the backend is a policy
     # (FlashInfer's backend="auto"), as the library recorded it; None for a backend that is one kernel
+    # the output tensor in the kernel's own result, where the canonical out is a copy of it (a ragged problem's
+    # packed rows): the tensor the harness requires to be ``out`` (None: the canonical out itself)
+    kernel_out: Callable[[Any], Any] | None = None
 
     def judged(self, result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output to compare with the reference: canonical, with ``output_scale`` applied in float64."""

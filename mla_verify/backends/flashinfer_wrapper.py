@@ -13,7 +13,10 @@ Contract 1, and how they are bridged (docs/backends.md has the source references
   dequant scales are already folded into bmm1/bmm2). The fp8 query is handed over as its bf16 copy, which is
   exact: every e4m3 value is a bf16 value.
 - Output is ``[B*q_len, H, L]`` bf16; LSE ``[B*q_len, H]`` in base 2 (``lse_mode="base2"``).
-- Causal masking is bottom-right, as ours: mla.cuh masks ``kv_idx + qo_len > kv_len + q_idx``.
+- Causal masking is bottom-right, as ours: mla.cuh masks ``kv_idx + qo_len > kv_len + q_idx``, with each
+  request's own qo_len. So fa2/fa3 take ragged problems (``ProblemSpec.q_lens``): ``qo_indptr`` holds each
+  request's q_len, only its tokens are packed into the query, and the ``[total_q, H, L]`` output goes back to the
+  padded canonical form with NaN in the padding rows (``layouts.padded_rows``), which nothing judges.
 - ``auto`` picks its kernel in plan(); the wrapper records the one it planned (``_planned_backend_name``),
   which each call reports as ``PreparedCall.resolved_backend``.
 """
@@ -26,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ..generate import DTYPES, ProblemSpec
-from ..layouts import LayoutSpec, csr_metadata, wrapper_args
+from ..layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
 from ..platform import flashinfer_import_error
 from ..problem import FP8, DecodeProblem
 from .base import Backend, Envelope, PreparedCall
@@ -49,7 +52,8 @@ def operand_dtypes(dtype: str) -> tuple[torch.dtype, torch.dtype]:
 
 def _spec_csr(spec: ProblemSpec) -> dict[str, torch.Tensor]:
     """Host CSR metadata with the spec's lengths (page ids are irrelevant to the planners' checks)."""
-    return csr_metadata(torch.tensor(spec.seq_lens, dtype=torch.int32), spec.q_len, spec.page_size)._asdict()
+    return csr_metadata(torch.tensor(spec.seq_lens, dtype=torch.int32), spec.q_len, spec.page_size,
+                        q_lens=spec.q_lens)._asdict()
 
 
 def fa_preflight(name: str, spec: ProblemSpec, device: torch.device) -> None:
@@ -148,7 +152,8 @@ class FlashInferWrapperBackend(Backend):
                      query_layout=self.path.layout, kv_cache_layout=self.path.layout,
                      lse_mode="base2" if layout.return_lse else "none", output_dtype=q_dtype,
                      scale_mode=_scale_mode(kv_dtype))
-        out = torch.empty((B * Q, H, L), dtype=q_dtype, device=p.device) if layout.pass_out else None
+        rows = a.q_nope.shape[0]  # B * Q, or a ragged problem's query tokens
+        out = torch.empty((rows, H, L), dtype=q_dtype, device=p.device) if layout.pass_out else None
         kwargs: dict[str, Any] = dict(query=(q_nope, q_pe), kv_cache=(a.ckv, a.kpe), out=out,
                                       return_lse=layout.return_lse)
         if kv_dtype == FP8:
@@ -157,15 +162,23 @@ class FlashInferWrapperBackend(Backend):
         def invoke() -> Any:
             return wrapper.run(**kwargs)
 
+        valid = p.valid_rows()
+
+        def kernel_out(result: Any) -> Any:
+            return result[0] if layout.return_lse else result
+
         def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             o, lse = result if layout.return_lse else (result, None)
+            if valid is not None:  # ragged: the packed rows back in [B, Q, ...], NaN in the padding rows
+                return padded_rows(o, valid), None if lse is None else padded_rows(lse, valid)
             return o.view(B, Q, H, L), None if lse is None else lse.view(B, Q, H)
 
         inputs = {"q_nope": q_nope, "q_pe": q_pe, "kv_pool": a.pool, "qo_indptr": a.qo_indptr,
                   "kv_indptr": a.kv_indptr, "kv_indices": a.kv_indices, "kv_len_arr": a.kv_len_arr}
         # no output scale on these paths: bmm2 is applied to the kernel's output when it is judged
         return PreparedCall(invoke, inputs, out, to_canonical, output_scale=float(p.bmm2_scale),
-                            resolved_backend=wrapper._planned_backend_name if self.path.resolves else None)
+                            resolved_backend=wrapper._planned_backend_name if self.path.resolves else None,
+                            kernel_out=None if valid is None else kernel_out)
 
 
 # FlashInfer's FA planner (_validate_generated_fa_plan) takes head_dim_kpe in multiples of 64 "including
@@ -176,7 +189,7 @@ _FA_COMMON: dict[str, Any] = dict(devices=("cuda",), page_sizes=None,
                   dims=((512, 64), (256, 64), NO_ROPE_DIMS),
                   dims_by_dtype=(("fp8", ((512, 64), NO_ROPE_DIMS)),), heads=None, max_heads=128,
                   dtypes=("bf16", "fp8"), q_len=(1, 16), cache_dims=(3,), page_strided=True,
-                  table_widths=("native",), pass_out=(True, False), lse=True)
+                  table_widths=("native",), pass_out=(True, False), lse=True, ragged_q=True)
 _POW2_PAGES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 WRAPPER_PATHS: dict[str, WrapperPath] = {
