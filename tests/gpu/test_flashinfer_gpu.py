@@ -108,6 +108,28 @@ def test_fa_auto_resolves_to_fa3_on_hopper() -> None:
     assert result.resolved_backend == "fa3"
 
 
+@pytest.mark.parametrize("name", ["fa2", "fa3", "fa-auto"])
+@pytest.mark.parametrize("page,heads,q_lens", [(1, 16, (1, 4, 2, 3)), (16, 128, (3, 1, 1, 2)),
+                                               (64, 8, (16, 1, 9, 5)), (32, 64, (1, 16, 16, 7))])
+def test_fa_ragged_requests(name: str, page: int, heads: int, q_lens: tuple[int, ...]) -> None:
+    """Per-request q_len (qo_indptr with unequal rows, 1 and the maximum among them), bf16 and fp8, each case
+    also with the batch reversed (its q_lens with it)."""
+    device = _cuda()
+    backend = _runnable(name, device)
+    q_len = max(q_lens)
+    lens = (q_len, page + 1 if page + 1 >= q_len else q_len, 16384, 3 * page + 5)
+    for dtype, layout, check in (("bf16", LayoutSpec(), "batch"),
+                                 ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False), "none")):
+        spec = ProblemSpec(seq_lens=lens, q_len=q_len, q_lens=q_lens, num_heads=heads, page_size=page, dtype=dtype,
+                           q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
+                           bmm2_extra=1.25, extra_pages=3, table_pad=2, seed=page * 1000 + heads + q_len)
+        result = run_case(backend, spec, layout, device, transform=check)
+        if result.verdict == "skip":  # only FlashInfer's own planner may refuse an in-envelope case
+            assert "planner refuses" in result.reason, result.reason
+            continue
+        assert result.verdict == "pass", f"{result.describe()}: {result.failures}"
+
+
 @pytest.mark.parametrize("name", FLASHINFER_BACKENDS)
 def test_each_flashinfer_backend_runs_or_says_why(name: str) -> None:
     device = _cuda()
@@ -159,7 +181,8 @@ def _coverage(cases: list[CaseResult]) -> dict:
     if not specs:
         return {}
     return {"page_sizes": sorted({s.page_size for s in specs}), "heads": sorted({s.num_heads for s in specs}),
-            "q_len": sorted({s.q_len for s in specs}), "dtypes": sorted({s.dtype for s in specs}),
+            "q_len": sorted({s.q_len for s in specs}), "ragged": sum(s.q_lens is not None for s in specs),
+            "dtypes": sorted({s.dtype for s in specs}),
             "dims": sorted({(s.kv_lora_rank, s.qk_rope_head_dim) for s in specs}),
             "seq_len_min": min(min(s.seq_lens) for s in specs), "seq_len_max": max(max(s.seq_lens) for s in specs),
             "batch_max": max(s.batch for s in specs),
