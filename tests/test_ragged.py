@@ -168,3 +168,12 @@ def test_localization_names_the_wrong_token_rows_and_no_padding_row() -> None:
     lines = localize(p, _with_nan_padding(p, out).to(torch.bfloat16), ref)
     assert "batch entry 2" in lines[0] and "query token 1" in lines[0], lines
     assert not any("NaN" in line for line in lines), lines
+
+
+def test_a_user_kernel_cannot_declare_ragged_problems() -> None:
+    from mla_verify.backends.user_kernel import envelope_from_overrides
+    from mla_verify.errors import UsageError
+
+    assert envelope_from_overrides({"ragged_q": False}).ragged_q is False
+    with pytest.raises(UsageError, match="ragged_q.*one q_len for every request"):
+        envelope_from_overrides({"ragged_q": True})

@@ -60,6 +60,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dtypes": (_among(tuple(DTYPES)), f"a non-empty list of {sorted(DTYPES)}"),
     "q_len": (lambda v: _ints(v) and len(v) == 2 and 1 <= v[0] <= v[1], "[min, max] with 1 <= min <= max"),
     "q_lens": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
+    "ragged_q": (lambda v: v is False, "false: Contract 1's callable takes one q_len for every request"),
     "batch_sizes": (lambda v: v is None or (_ints(v) and all(x >= 1 for x in v)), "null or a list of ints >= 1"),
     "windows": (lambda v: isinstance(v, (list, tuple)) and len(v) > 0
                 and all(x is None or (_int(x) and x >= 0) for x in v),
