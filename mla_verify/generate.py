@@ -80,11 +80,6 @@ class ProblemSpec:
             d["q_lens"] = list(self.q_lens)
         return d
 
-    @property
-    def query_tokens(self) -> int:
-        """The query tokens of all requests: batch x q_len, or the sum of the ragged q_lens."""
-        return self.batch * self.q_len if self.q_lens is None else sum(self.q_lens)
-
     @classmethod
     def from_json(cls, d: dict) -> ProblemSpec:
         fields = {f.name for f in dataclasses.fields(cls)}
