@@ -412,7 +412,8 @@ def envelope_summary(env: Any) -> str:
     archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
     return (f"devices {'/'.join(env.devices)} (arch {archs}); page {span(env.page_sizes, 'any')}; "
             f"dims {', '.join(f'({r},{p})' for r, p in env.dims)}; heads {span(env.heads, f'1-{env.max_heads}')}; "
-            f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}{' (also ragged, per request)' if env.ragged_q else ''}; "
+            f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}"
+            f"{' (also ragged, per request)' if env.ragged_q else ''}; "
             f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
             f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
 

@@ -144,7 +144,8 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
             failures.append("LSE was requested but not returned")
         else:
             slack = 0.0 if baseline_lse is None else FACTOR[dtype] * float(judged_rows(
-                (baseline_lse.to(torch.float64).to(r.device) - ref.lse.to(torch.float64).to(r.device)).abs(), ref).max())
+                (baseline_lse.to(torch.float64).to(r.device) - ref.lse.to(torch.float64).to(r.device)).abs(),
+                ref).max())
             _compare_lse(lse, ref, lse_base, stats, failures, slack)
     return stats, failures
 

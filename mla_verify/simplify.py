@@ -4,9 +4,10 @@ minimal in Hypothesis's order of choices but not in size.
 ``simplify`` tries one change at a time -- keep half the batch, fewer heads or query tokens, a shorter longest
 sequence, then drop an incidental feature (unused pages, table padding, a strided pool, a non-default scale,
 per-request q_lens, a metamorphic check) -- and keeps each change under which the case still fails, until no
-change does or the attempts run out. Lengths approach the shortest failing one geometrically (half, then three quarters, ...), so
-a failure that needs a long sequence is reported near the shortest length that shows it. Import rule: the
-strategy layer's ``Case`` and the backend envelope; it runs cases through the callable it is given.
+change does or the attempts run out. Lengths approach the shortest failing one geometrically (half, then three
+quarters, ...), so a failure that needs a long sequence is reported near the shortest length that shows it.
+Import rule: the strategy layer's ``Case`` and the backend envelope; it runs cases through the callable it is
+given.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import F64_TOL, naive_decode, row_rel_err
 
 from mla_verify.backends import all_backends, get_backend
 from mla_verify.compare import baseline_result, compare
@@ -19,7 +20,6 @@ from mla_verify.problem import DecodeProblem
 from mla_verify.reference import reference_decode
 from mla_verify.simplify import simplify
 from mla_verify.strategies import Case, budget_for, cases, corner_cases
-from oracles import F64_TOL, naive_decode, row_rel_err
 
 SPEC = ProblemSpec(seq_lens=(4, 17, 40, 33), q_len=4, q_lens=(1, 4, 2, 3), num_heads=3, page_size=16, extra_pages=2,
                    table_pad=1, seed=11)

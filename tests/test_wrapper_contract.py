@@ -250,7 +250,8 @@ RAGGED = [
     (replace(SPEC, q_lens=(1, 3, 2)), LayoutSpec()),
     (replace(SPEC, seq_lens=(5, 64, 17, 129), q_len=5, q_lens=(5, 1, 4, 2), page_size=1, num_heads=8),
      LayoutSpec(page_stride_pad=3, pass_out=False)),
-    (replace(SPEC, q_lens=(3, 1, 1), dtype="fp8", q_scale=0.5, k_scale=2.0, page_size=64), LayoutSpec(return_lse=False)),
+    (replace(SPEC, q_lens=(3, 1, 1), dtype="fp8", q_scale=0.5, k_scale=2.0, page_size=64),
+     LayoutSpec(return_lse=False)),
     (replace(SPEC, q_lens=(2, 3, 1), qk_rope_head_dim=0), LayoutSpec(page_stride_pad=2)),
 ]
 
