@@ -308,3 +308,12 @@ def test_a_ragged_reproducer_replays_to_the_same_verdict(monkeypatch: pytest.Mon
         again = run_case(_on_cpu("fa2"), fx.spec, fx.layout, "cpu", problem=problem)
         assert again.verdict == "fail" and again.failures == failed.failures
 
+
+
+def test_premerge_catches_that_kernel_and_keeps_the_failure_ragged(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_verify.engine import verify
+
+    _install(monkeypatch, IgnoresQLens())
+    failure = verify(_on_cpu("fa3"), "cpu", profile="premerge", max_examples=40).failure
+    assert failure is not None and failure.spec.q_lens is not None and min(failure.spec.q_lens) < failure.spec.q_len
+    assert any("query token 0" in line for line in failure.diagnosis), failure.diagnosis
