@@ -68,7 +68,7 @@ def test_the_comparison_reads_only_the_rows_that_are_tokens() -> None:
     assert compare(wrong, None, ref, baseline.out, "bf16", None)[1]
 
 
-def test_only_fa2_and_fa3_take_ragged_problems_and_the_others_say_why() -> None:
+def test_only_the_fa_paths_take_ragged_problems_and_the_others_say_why() -> None:
     layout = LayoutSpec(return_lse=False, pass_out=True)
     takers = []
     for backend in all_backends().values():
@@ -77,7 +77,7 @@ def test_only_fa2_and_fa3_take_ragged_problems_and_the_others_say_why() -> None:
             takers.append(backend.name)
         else:
             assert "per-request q_lens [1, 4, 2, 3] (this kernel takes one q_len for every request)" in reason
-    assert sorted(takers) == ["fa2", "fa3"]
+    assert sorted(takers) == ["fa-auto", "fa2", "fa3"]
     assert "per-request q_lens" in get_backend("cpu-peer").why_not(SPEC, layout, torch.device("cpu"))
 
 
