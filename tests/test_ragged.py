@@ -95,8 +95,12 @@ def test_ragged_q_lens_are_drawn_only_where_the_envelope_takes_them(data: st.Dat
 def test_the_fa_envelope_draws_ragged_problems_and_premerge_has_one() -> None:
     from hypothesis import find
 
-    ragged = find(cases(FA_ENVELOPE, budget_for("cpu")), lambda c: c.spec.q_lens is not None)
-    assert ragged.spec.q_len == 2 and ragged.spec.q_lens == (1,)  # the smallest: one request, one token of two
+    # derandomized and without a database, so the same example every run. Only the query is asserted shrunk:
+    # a batch past EXPLICIT_BATCH draws its lengths from a seed and Hypothesis's shrinker may stop there (the
+    # engine's simplify step cuts the batch afterwards; tests/test_simplify.py)
+    ragged = find(cases(FA_ENVELOPE, budget_for("cpu")), lambda c: c.spec.q_lens is not None,
+                  settings=settings(database=None, derandomize=True))
+    assert ragged.spec.q_len == 2 and min(ragged.spec.q_lens) == 1  # the shortest ragged query
     corners = [c for c in corner_cases(FA_ENVELOPE, budget_for("cpu")) if c.spec.q_lens is not None]
     assert len(corners) == 1 and corners[0].transform == "batch"
     q_lens, q_len = corners[0].spec.q_lens, corners[0].spec.q_len
