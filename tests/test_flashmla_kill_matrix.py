@@ -4,12 +4,15 @@ cache view, table, scale, causal flag, LSE transposition and base, bmm2 bridge) 
 harness instead of hiding it. The correct kernel behind the same convention must pass the same premerge run,
 or the kills would mean nothing.
 
-Two changes to the envelope, both on CPU only, neither touching the layout code under test:
+Three changes to the envelope, all on CPU only, none touching the layout code under test:
 - pages of 16, 32 and 64 tokens (FlashMLA itself takes 64 only): with 64 alone a kernel that assumes 64-token
   pages is right on every problem FlashMLA accepts, and its mutant could not be killed;
 - sequences up to 4096 tokens: every mutant still fails on the first premerge corner case or within a few drawn
   ones, but with FlashMLA's default 131072 Hypothesis drew a 100000-token failure for pages_sorted and took two
-  minutes on CPU to shrink it (12 s at 4096); the faults shown past the mutants' 128-token split need no more.
+  minutes on CPU to shrink it (12 s at 4096); the faults shown past the mutants' 128-token split need no more;
+- batches of at most 16 sequences: the faults between sequences (a shifted table row, pages read in id order)
+  show with two, and every mutant still fails and the correct kernel still passes; with FlashMLA's 1024
+  Hypothesis drew a 94-sequence, 115-head failure for causal_ignored and spent a minute comparing its shrinks.
 """
 import pytest
 
@@ -17,7 +20,7 @@ from mla_verify.engine import verify
 from mla_verify.flashmla_cpu import CPU_ENVELOPE, stand_in_backend
 from mla_verify.mutants import MUTANTS, correct_kernel
 
-ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096)
+ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096, max_batch=16)
 
 
 def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend():
