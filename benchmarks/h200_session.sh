@@ -16,8 +16,11 @@ mkdir -p "$R" "$REG"
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
 if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the parallel phase's children
   WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
-  # FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time
-  if [ -f .gpu-bundle/jit-cache.tar.gz ]; then mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"; fi
+  # FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time.
+  # Unpacked on a fresh machine only: over the newer cache of a warm one it makes FlashInfer rebuild
+  if [ -f .gpu-bundle/jit-cache.tar.gz ] && [ ! -d "$WS/.cache" ]; then
+    mkdir -p "$WS" && tar xzf .gpu-bundle/jit-cache.tar.gz -C "$WS"
+  fi
   finish() {
     (cd "$REG" && find . -type f -printf "%s %p\n") > "$R/regressions.txt"
     find "$REG" -type f -size -256k -name "*.json" -exec cp --parents {} "$R" \;
