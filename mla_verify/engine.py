@@ -12,6 +12,7 @@ every attempt would hang too). Ctrl-C ends the search and returns what was judge
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from .harness import SKIP_MEMORY, CaseResult, run_case
 from .profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
 from .simplify import simplify, size
 from .strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
+from .watchdog import grace_seconds
 
 DEFAULT_SEED = 20261201
 DEFAULT_KERNEL_SECONDS = 120.0  # one kernel call; FlashInfer's first fa2/fa3 call JIT-compiles (~25 s)
@@ -110,6 +112,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     if reason is not None:
         result.unavailable = f"{backend.name}: {reason}"
         return result
+    if kernel_seconds is not None:
+        grace_seconds()  # a malformed grace is a UsageError here, not a "kernel raised" verdict inside a case
     budget = budget if budget is not None else budget_for(device)
     minutes = prof.minutes if minutes is None else minutes
     clock = _Clock(None if minutes is None else started + 60.0 * minutes)
@@ -147,12 +151,12 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
         # Hypothesis may end a search before the deadline by its own rules (e.g. it judges a small envelope
         # exhausted); a time-bounded random search then starts another until the deadline
-        while True:
-            _search(backend, prof, max_examples, database, seed, budget, clock, record, drawn)
+        for restart in itertools.count():  # each restart its own seed: the same one would repeat the cases
+            _search(backend, prof, max_examples, database, seed + restart, budget, clock, record, drawn)
             if drawn or prof.deterministic or clock.deadline is None:
                 break
-    except _Stop as stop:
-        result.timed_out = str(stop) == "time up"
+    except _Stop:
+        result.timed_out = clock.expired
     except KeyboardInterrupt:
         result.interrupted = True
     hung = _hung(result)
@@ -163,12 +167,14 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         # the smallest failure seen: Hypothesis's minimal example (it replays that one last) is minimal in its
         # own order, not always in size, and a corner case is not shrunk by Hypothesis at all
         smallest = min(reversed(failing), key=lambda r: size(Case(r.spec, r.layout, r.metamorphic)))
-        if result.interrupted:
-            result.failure = smallest
-        else:
-            if not clock.expired:  # a corner case was never shrunk; a drawn one, in Hypothesis's order only
-                smallest = _simplified(backend, smallest, clock, record)
-            result.failure = _replayed(backend, smallest, device, kernel_seconds)
+        result.failure = smallest
+        try:
+            if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
+                smallest = result.failure = _simplified(backend, smallest, clock, record)  # in Hypothesis's order
+            if not result.interrupted:
+                result.failure = _replayed(backend, smallest, device, kernel_seconds)
+        except KeyboardInterrupt:  # the failure as it stood is the report
+            result.interrupted = True
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
@@ -215,8 +221,7 @@ def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
     last = {"result": failure}
 
     def fails(case: Case) -> bool:
-        if clock.deadline is not None and time.monotonic() > clock.deadline:
-            return False
+        clock.check()
         r = record(case)
         if r.verdict == "fail":
             last["result"] = r
@@ -224,7 +229,7 @@ def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
 
     try:
         simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
-    except (_Stop, KeyboardInterrupt):
+    except _Stop:
         pass
     return last["result"]
 

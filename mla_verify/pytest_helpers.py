@@ -62,9 +62,12 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
                    fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR) -> EngineResult:
     """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
     when a case fails (its reproducer written to ``fixtures_dir``)."""
-    chosen, max_examples = shard.profile(get_profile(profile))
-    result = verify(backend, device, chosen, seed=shard.seed(seed), max_examples=max_examples,
-                    database=resolve_database(hypothesis_db))
+    try:
+        chosen, max_examples = shard.profile(get_profile(profile))
+        result = verify(backend, device, chosen, seed=shard.seed(seed), max_examples=max_examples,
+                        database=resolve_database(hypothesis_db))
+    except UsageError as e:  # a bad profile, database or environment variable: one line, not a traceback
+        pytest.fail(str(e), pytrace=False)
     if result.interrupted:  # the engine stopped at Ctrl-C with what it had: pytest must stop too
         raise KeyboardInterrupt
     if result.unavailable:
@@ -83,7 +86,7 @@ def verify_kernel(kernel: str | Callable[..., Any], device: torch.device | str =
     itself (held to its declared ``mla_verify_envelope``, else trtllm-gen's)."""
     try:
         if isinstance(kernel, str):
-            backend = load_kernel(kernel)
+            backend = load_kernel(kernel, "verify_kernel")
         else:
             backend = kernel_backend(kernel, f"{getattr(kernel, '__module__', '?')}:"
                                              f"{getattr(kernel, '__qualname__', type(kernel).__name__)}")

@@ -314,11 +314,13 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
             near += (window, window + 1, window + q_hi, window + page + 1)
         return fit(sorted({max(q_hi, n) for n in near}))
 
-    room = budget.max_tokens - r1["extra_pages"] * large  # cached tokens left beside the unused pages
-    longest = min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo), room)
+    # cached tokens left beside the unused pages; at least two pages, as _spec has it: on a GPU with little free
+    # memory the budget can be smaller than the pages alone, and a case too big for it is a memory skip
+    room = max(2 * large, budget.max_tokens - r1["extra_pages"] * large)
+    longest = max(q_lo, min(env.max_seq_len, budget.max_seq_len, budget.units // (h_min * q_lo), room))
     # each of the widest batch's sequences (at most large + 1 tokens) takes up to two pages
-    widest = len(fit([1] * min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)),
-                               room // (2 * large), budget.max_rows // (h_min * q_lo))))
+    widest = len(fit([1] * max(1, min(env.max_batch, budget.max_batch, budget.units // (h_min * q_lo * (large + 1)),
+                                      room // (2 * large), budget.max_rows // (h_min * q_lo)))))
     out = [
         Case(ProblemSpec(seq_lens=edges(small), q_len=q_hi, num_heads=h_few, page_size=small, bmm2_extra=1.5,
                          seed=1, **r1), native, "pages"),

@@ -97,8 +97,8 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
 
     if _hard_stop is None:
         _hard_stop = _HardStop()
+    _hard_stop.arm(seconds, what)  # first: it reads the grace period, which may be malformed
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    _hard_stop.arm(seconds, what)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield

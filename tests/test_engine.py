@@ -1,11 +1,15 @@
 """Strategies stay inside envelope and budget; premerge is reproducible; failures shrink."""
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mla_verify import engine
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 from mla_verify.engine import verify
+from mla_verify.errors import UsageError
 from mla_verify.mutants import MUTANTS, correct_kernel
 from mla_verify.strategies import Budget, budget_for, cases, corner_cases
+from mla_verify.watchdog import GRACE_ENV
 
 NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8, 16), dtypes=("fp8",),
                                   q_len=(2, 3), cache_dims=(4,), page_strided=False, table_widths=("pad128",),
@@ -86,3 +90,34 @@ def test_large_batches_are_drawn_and_reach_the_test_body():
 
     draw()
     assert max(batches) > 256
+
+
+def test_a_time_bounded_search_restarted_draws_new_cases():
+    # fuzz without a database re-runs the search until the deadline: each restart needs its own seed, or the
+    # same few cases are judged again and again (3 per search here)
+    result = verify(TrtllmStyleBackend("correct", correct_kernel), "cpu", "fuzz", max_examples=3, minutes=0.05)
+    ids = [c.id for c in result.cases]
+    assert len(ids) > 3 and len(set(ids)) > 3
+
+
+def test_a_malformed_watchdog_grace_is_a_usage_error_not_a_kernel_failure(monkeypatch):
+    monkeypatch.setenv(GRACE_ENV, "soon")
+    with pytest.raises(UsageError, match=GRACE_ENV):
+        verify(TrtllmStyleBackend("correct", correct_kernel), "cpu", "dev")
+
+
+def test_ctrl_c_while_simplifying_ends_the_run_with_the_failure_found(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine, "simplify", interrupted)
+    result = verify(TrtllmStyleBackend("causal_ignored", MUTANTS["causal_ignored"].fn), "cpu", "dev",
+                    max_examples=40)
+    assert result.interrupted and result.failure is not None and result.failure.verdict == "fail"
+
+
+def test_corner_cases_stay_valid_on_a_budget_smaller_than_their_unused_pages():
+    # a GPU shared by many workers can leave a process fewer tokens than the corner cases' unused pages take
+    tiny = Budget(units=64_000_000, max_batch=1024, max_seq_len=1 << 17, max_tokens=100, max_rows=1 << 17)
+    for case in corner_cases(TRTLLM_ENVELOPE, tiny):
+        assert case.spec.batch >= 1 and min(case.spec.seq_lens) >= case.spec.q_len
+        assert TRTLLM_ENVELOPE.why_not(case.spec, case.layout) is None

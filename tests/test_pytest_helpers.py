@@ -97,3 +97,15 @@ def test_shards_split_the_seeds_the_drawn_cases_and_the_corner_cases():
     assert all(len(h) <= -(-dev // 2) for h in halves)  # each shard draws its share
     # different cases, but for the simplest example, which Hypothesis tries first whatever the seed
     assert len(set(halves[0]) & set(halves[1])) <= 1
+
+
+def test_a_bad_profile_or_kernel_name_fails_the_test_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_verify.mutants import correct_kernel
+    from mla_verify.pytest_helpers import verify_kernel
+
+    with pytest.raises(pytest.fail.Exception) as bad_profile:
+        verify_kernel(correct_kernel, profile="nightly")
+    assert "unknown profile 'nightly'" in str(bad_profile.value)
+    with pytest.raises(pytest.fail.Exception) as bad_name:
+        verify_kernel("no_such_module_here:kernel")
+    assert str(bad_name.value).startswith("verify_kernel:")  # names the call the user wrote, not a CLI flag
