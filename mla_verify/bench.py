@@ -32,7 +32,7 @@ import torch
 
 from .backends import Backend, requested_backends
 from .bench_timing import CudaTimer, Timer, WallClockTimer
-from .cli_args import OneLineParser, non_negative_int, one_line, parse_device, positive_int
+from .cli_args import OneLineParser, non_negative_int, one_line, parse_device, positive_int, positive_number
 from .errors import MLAVerifyError, UsageError
 from .fixtures import check_writable_dir, library_versions
 from .generate import DTYPES, ProblemSpec, build_problem
@@ -410,10 +410,11 @@ def compare_results(current: BenchResult, baseline: BenchResult, threshold: floa
 
 # -------------------------------------------------------------------------------------------------- CLI
 def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 1 (every grid axis counts something)."""
     try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        return tuple(positive_int(x) for x in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r} ({e})") from None
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -436,7 +437,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="write bench.json, bench.csv, bench_gbps.svg here")
     parser.add_argument("--compare", type=Path, metavar="BASELINE.json",
                         help="exit 1 when a case's median latency is slower than the baseline's past --threshold")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+    parser.add_argument("--threshold", type=lambda t: positive_number(t, "relative slowdown"),
+                        default=DEFAULT_THRESHOLD,
                         help="relative slowdown that counts as a regression (default: %(default)s)")
     parser.add_argument("--result", type=Path, metavar="RESULT.json",
                         help="do not run: use this earlier result (to --compare two runs, or re-plot with --out)")
@@ -445,8 +447,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer: Timer | None = None) -> int:
     """Run ``mla-verify bench``; 0 ok, 1 regression against --compare, 2 usage / no GPU (one line on stderr)."""
     try:
-        if ns.threshold <= 0:
-            raise UsageError(f"--threshold must be > 0, got {ns.threshold}")
         if ns.out is not None:  # fail before timing anything, not after
             ns.out.mkdir(parents=True, exist_ok=True)
             check_writable_dir(ns.out, "--out")

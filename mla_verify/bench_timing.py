@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from .backends.base import PreparedCall
+from .tracebacks import exception_line
 
 GRAPH = "cuda-graph"  # the round is one CUDA graph, replayed; timed with CUDA events
 EAGER = "cuda-events"  # capture failed: plain launches of invoke(), timed with CUDA events
@@ -90,7 +91,7 @@ class CudaTimer:
                     return ArmedRound(graph.replay, results, len(calls), GRAPH, keep=[graph])
                 except Exception as e:  # a backend whose call cannot be captured: time plain launches
                     torch.cuda.synchronize()
-                    note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                    note = f"graph capture failed ({exception_line(e, located=False)[:160]})"
             else:
                 note = "graph capture disabled"
             return ArmedRound(lambda: _invoke_all(calls), results, len(calls), EAGER, note)

@@ -349,7 +349,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     path = Path(ns.json)
     try:
         written = render(load_report(path), path)
-    except (KeyError, TypeError, ValueError) as e:  # a case without spec/backend/verdict, or of the wrong type
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a field missing or mistyped
         raise UsageError(f"{path}: malformed report ({type(e).__name__}: {e})") from None
     for p in written:
         print(p)

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .tracebacks import exception_line
+
 
 @dataclass(frozen=True)
 class GpuInfo:
@@ -76,15 +78,18 @@ def flashinfer_version() -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def flashinfer_import_error() -> str | None:
-    """None when ``import flashinfer`` works; otherwise one line saying why. Cached: the import takes seconds."""
+@functools.cache
+def import_error(module: str) -> str | None:
+    """None when ``import module`` works; otherwise one line saying why. Cached: an import can take seconds."""
     try:
-        importlib.import_module("flashinfer")
+        importlib.import_module(module)
     except Exception as exc:  # any failure (missing, broken build, bad CUDA libs) is reported, not raised
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        return exception_line(exc, located=False)
     return None
+
+
+def flashinfer_import_error() -> str | None:
+    return import_error("flashinfer")
 
 
 def platform_info() -> PlatformInfo:

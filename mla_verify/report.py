@@ -301,7 +301,7 @@ def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
     skipped = len(backends) - len(failed) - len(passed)
     selfcheck = report.get("selfcheck") or ""
     parts = [f"{len(failed)} of {len(backends)} backends failed"] if failed else []
-    parts += [f"{b['name']}: {(b.get('failure') or {}).get('failures', ['failed'])[0]}" for b in failed]
+    parts += [f"{b['name']}: {((b.get('failure') or {}).get('failures') or ['failed'])[0]}" for b in failed]
     parts += [f"{len(passed)} passed"] + ([f"{skipped} could not run here"] if skipped else [])
     if selfcheck.startswith("FAILED"):
         parts.insert(0, f"the reference self-check {selfcheck}")

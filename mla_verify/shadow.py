@@ -398,14 +398,14 @@ def _library_entries(notes: list[str]) -> list[_Entry]:
 
 def _kernel_entry(kernel: str | Callable[..., Any]) -> _Entry:
     """A Contract-1 kernel: its declared envelope (``mla_verify_envelope``), if any, is its contract."""
-    from .backends.user_kernel import ENVELOPE_ATTR, envelope_from_overrides, load_kernel
+    from .backends.user_kernel import ENVELOPE_ATTR, envelope_from_overrides, kernel_backend, resolve_kernel
 
     home = None
     if isinstance(kernel, str):
-        fn, name = load_kernel(kernel).fn, kernel
-        module, attr = kernel.split(":", 1)
+        module, attr, obj = resolve_kernel(kernel, "shadow kernel")  # a file is imported under a module of its own
+        fn, name = kernel_backend(obj, kernel).fn, kernel
         if "." not in attr:
-            home = (sys.modules[module], attr)
+            home = (module, attr)
     elif callable(kernel):
         fn, name = kernel, _importable_name(kernel)
     else:
@@ -485,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         sys.stderr.write("usage: python -m mla_verify.shadow SCRIPT [ARGS...] (settings: MLA_VERIFY_SHADOW, "
                          "MLA_VERIFY_SHADOW_EVERY, _BUDGET, _KERNEL, _FIXTURES)\n")
+        return 2
+    if not os.path.isfile(argv[0]):
+        sys.stderr.write(f"mla_verify.shadow: {argv[0]}: no such script\n")
         return 2
     try:
         session = session_from_env({**os.environ, ENV_MODE: os.environ.get(ENV_MODE) or "strict"})

@@ -27,6 +27,7 @@ from .shadow_contract import (
 )
 from .shadow_entries import LiveCall
 from .shadow_problem import describing_spec, dtype_name, live_layout, live_problem
+from .tracebacks import exception_line
 
 
 @dataclass
@@ -83,8 +84,8 @@ def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgeme
     try:
         out, lse, found = call.to_canonical(result)
     except (RuntimeError, TypeError, ValueError) as exc:  # e.g. an output with too few elements for its view
-        return Judgement(findings=[Finding(ERROR, "result", f"not in this entry point's form: {type(exc).__name__}: "
-                                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")])
+        return Judgement(findings=[Finding(ERROR, "result", "not in this entry point's form: "
+                                           + exception_line(exc, located=False))])
     verdict = Judgement(findings=found, out=out, lse=lse)
     if problem is None or call.unchecked or out is None:
         return verdict

@@ -5,7 +5,8 @@ A run's inputs become Contract 1's: the split ``(q_nope, q_pe)`` query is joined
 ``(ckv, kpe)`` views of one pool (the usual layout) are re-viewed as that pool without a copy, independent split
 caches are joined; CSR page lists become a block table (layouts.csr_to_block_table). The scale is the plan's
 ``sm_scale`` (times ``ckv_scale`` for an fp8 cache with per-tensor scales, which is then also bmm2), or a run's
-own ``bmm1_scale``/``bmm2_scale``. Ragged query lengths are seen but not checked (the reference takes one q_len).
+own ``bmm1_scale``/``bmm2_scale``. Ragged query lengths are seen but not checked yet (the reference takes them as
+DecodeProblem.q_lens, but this reader does not unpack a ragged call into that padded form).
 """
 from __future__ import annotations
 

@@ -51,4 +51,4 @@ def exception_line(exc: BaseException, located: bool = True) -> str:
     first = text.splitlines()[0] if text else ""
     frame = user_frame(exc.__traceback__) if located else None
     where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}" if frame else ""
-    return f"{type(exc).__name__}: {first}{where}"
+    return f"{type(exc).__name__}{': ' + first if first else ''}{where}"

@@ -267,3 +267,14 @@ def test_a_call_that_cannot_be_captured_is_timed_with_plain_launches() -> None:
     armed = timer.arm([_call(lambda: float(x.sum()))])  # a host sync: illegal while capturing
     assert armed.method == EAGER and "capture failed" in armed.note
     assert timer.measure(armed).median_s > 0
+
+
+@pytest.mark.parametrize("argv", [["--threshold", "nan"], ["--threshold", "inf"], ["--threshold", "0"],
+                                  ["--batch", "0"], ["--heads", "4,-1"], ["--q-len", "x"]])
+def test_bad_numbers_are_refused_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # --threshold nan would turn the regression gate off (no slowdown compares greater than nan)
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[0] in err

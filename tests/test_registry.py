@@ -98,3 +98,12 @@ def test_a_bad_plugin_is_a_one_line_usage_error(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(UsageError, match=complaint) as err:
         all_backends()
     assert "\n" not in str(err.value)
+
+
+def test_dims_outside_the_envelope_are_said_once() -> None:
+    from mla_verify.backends.flashinfer_wrapper import WRAPPER_PATHS
+    from mla_verify.generate import ProblemSpec
+    from mla_verify.layouts import LayoutSpec
+
+    reason = WRAPPER_PATHS["fa2"].envelope.why_not(ProblemSpec((8,), kv_lora_rank=1024), LayoutSpec())
+    assert reason is not None and reason.count("(1024, 64)") == 1, reason

@@ -237,3 +237,12 @@ def test_a_policy_backends_kernels_are_counted_per_distinct_case(tmp_path):
 
 def test_one_resolved_case_is_one_case() -> None:
     assert resolution_line("fa-auto", {"fa2": 1}) == "fa-auto resolved to fa2 on 1 case"
+
+
+def test_a_failed_backend_without_failure_lines_still_has_a_banner() -> None:
+    from mla_verify.report import verdict_banner
+
+    # hand-edited or truncated reports: an empty failures list read as its first line was an IndexError
+    report = {"backends": [{"name": "k", "verdict": "fail", "failure": {"failures": []}}]}
+    verdict, text = verdict_banner(report)
+    assert verdict == "FAIL" and "k: failed" in text

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify import cli, shadow_judge
+from mla_verify import cli
 from mla_verify.backends.trtllm_style import make_workspace
 from mla_verify.errors import UsageError
 from mla_verify.fixtures import load_fixture
@@ -140,7 +140,6 @@ def test_the_shadows_own_failure_never_reaches_the_engine(monkeypatch: pytest.Mo
         seen = call(halves_swapped)
     assert torch.equal(seen, plain)
     assert sites(s)[0].not_checked["shadow failed: RuntimeError: a bug in the shadow"] == 1
-    assert shadow_judge.judge is not broken
 
 
 def test_sessions_nest_and_put_everything_back() -> None:
@@ -163,6 +162,17 @@ def test_a_kernel_no_module_binds_is_said_to_be_unseen() -> None:
     assert any("no module binds this object" in note for note in s.tally.notes)
     with pytest.raises(UsageError, match="not found"):
         shadow(kernels=["no_such_module:kernel"])
+
+
+def test_a_kernel_given_as_a_file_path_is_shadowed(tmp_path: Path) -> None:
+    # a file is imported under a module name of its own (user_kernel.load_kernel), not its path
+    path = tmp_path / "my_kernels.py"
+    path.write_text("from mla_verify.mutants import halves_swapped\n")
+    with session("record", kernels=[f"{path}:halves_swapped"]) as s:
+        pass
+    assert len(s.kernels) == 1
+    with pytest.raises(UsageError, match="does not exist"):
+        shadow(kernels=[f"{tmp_path / 'missing.py'}:halves_swapped"])
 
 
 def test_the_environment_turns_it_on() -> None:
@@ -203,6 +213,9 @@ def test_python_dash_m_runs_a_script_under_shadow_mode(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "mla_verify.shadow", str(script)], capture_output=True, text=True,
                          env={**env, "MLA_VERIFY_SHADOW": "maybe"})
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "maybe" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "mla_verify.shadow", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, env=env)
+    assert missing.returncode == 2 and missing.stderr == f"mla_verify.shadow: {tmp_path / 'nope.py'}: no such script\n"
 
 
 ENGINE_TEST = """

@@ -68,7 +68,8 @@ class Envelope:
              f"dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) (supported: {list(self.dims)})"),
             (self.allows_heads(spec.num_heads), f"{spec.num_heads} heads"),
             (spec.dtype in self.dtypes, f"dtype {spec.dtype} (supported: {list(self.dtypes)})"),
-            ((spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims_for(spec.dtype),
+            ((spec.kv_lora_rank, spec.qk_rope_head_dim) not in self.dims  # said once, above
+             or (spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims_for(spec.dtype),
              f"{spec.dtype} with dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) "
              f"(supported: {list(self.dims_for(spec.dtype))})"),
             (self.q_len[0] <= spec.q_len <= self.q_len[1],

@@ -22,7 +22,6 @@ proven on CPU.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import math
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from ..layouts import LayoutSpec, trtllm_args
+from ..platform import import_error
 from ..problem import DecodeProblem
 from .base import Backend, Envelope, PreparedCall, device_reason
 
@@ -79,15 +79,9 @@ def install_hint() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
 def flash_mla_import_error() -> str | None:
     """None when ``import flash_mla`` works; else one line saying why (an extension built for another torch...)."""
-    try:
-        importlib.import_module("flash_mla")
-    except Exception as exc:  # any failure is reported, not raised
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return None
+    return import_error("flash_mla")
 
 
 def installed_api() -> FlashMLAApi:

@@ -103,22 +103,28 @@ def load_kernel(target: str, flag: str = "--kernel") -> TrtllmStyleBackend:
     a module of its own, its directory first on sys.path (as ``python path/to/file.py`` has it), so it can
     import the files beside it. Every error is a one-line UsageError naming ``flag``.
     """
+    return kernel_backend(resolve_kernel(target, flag)[2], target)
+
+
+def resolve_kernel(target: str, flag: str = "--kernel") -> tuple[ModuleType, str, Any]:
+    """(module imported, dotted attribute path, the object) for ``target`` as ``load_kernel`` reads it."""
     source, _, attr_path = target.rpartition(":")  # rpartition: a Windows path has a drive colon
     if not source or not _ATTR_PATH.fullmatch(attr_path):
         raise UsageError(f"{flag} expects MODULE:ATTR or path/to/file.py:ATTR "
                          f"(e.g. my_pkg.kernels:decode or kernels.py:decode), got {target!r}")
+    obj: Any
     if _is_path(source):
-        obj: Any = _import_file(source, flag)
+        obj = _import_file(source, flag)
     elif _MODULE.fullmatch(source):
         obj = _import_module(source, flag)
     else:
         raise UsageError(f"{flag}: {source!r} is neither a module name nor a path to a .py file")
-    owner = source
+    module, owner = obj, source
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise UsageError(f"kernel '{target}': '{owner}' has no attribute '{part}'")
         obj, owner = getattr(obj, part), part
-    return kernel_backend(obj, target)
+    return module, attr_path, obj
 
 
 def kernel_backend(fn: Any, name: str) -> TrtllmStyleBackend:
