@@ -30,6 +30,7 @@ from .dims import MLADims
 from .errors import FixtureError, MLAVerifyError, UsageError
 from .generate import ProblemSpec, build_problem
 from .layouts import LayoutSpec
+from .metamorphic import TRANSFORMS
 from .problem import DecodeProblem
 
 FORMAT = "mla-verify-fixture"
@@ -226,6 +227,7 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     """Load and verify a fixture; any problem with it raises FixtureError (one line)."""
     tensors_path, json_path = fixture_paths(path)
     meta = _read_meta(json_path, tensors_path)
+    _check_case_fields(json_path, meta)
     stored = meta.get("problem_stored", True)  # version 1 always stored it
     if meta.get("tensors_file", True):  # version 1 always had one
         tensors = _read_tensors(tensors_path, json_path, meta)
@@ -254,10 +256,22 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     except MLAVerifyError as e:
         if isinstance(e, FixtureError):
             raise
-        raise FixtureError(f"{json_path}: invalid problem: {e}") from None
+        raise FixtureError(f"{json_path}: invalid problem or spec: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise FixtureError(f"{json_path}: malformed record ({type(e).__name__}: {e})") from None
     return Fixture(problem, spec, layout, meta, tensors, json_path)
+
+
+def _check_case_fields(json_path: Path, meta: dict[str, Any]) -> None:
+    """The fields replay reads besides the problem: a wrong type is one FixtureError, not a crash later."""
+    if meta.get("metamorphic", "none") not in TRANSFORMS:
+        raise FixtureError(f"{json_path}: metamorphic {meta['metamorphic']!r} is not one of {list(TRANSFORMS)}")
+    if not isinstance(meta.get("backend", ""), str):
+        raise FixtureError(f"{json_path}: backend {meta['backend']!r} is not a name")
+    summary = meta.get("kernel_output") or {}
+    if not isinstance(summary, dict) or not all(
+            v is None or (isinstance(v, dict) and {"dtype", "shape", "sha256"} <= set(v)) for v in summary.values()):
+        raise FixtureError(f"{json_path}: kernel_output is not a record of dtype, shape and sha256 per tensor")
 
 
 def _read_tensors(tensors_path: Path, json_path: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:

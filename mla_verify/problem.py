@@ -16,6 +16,7 @@ the output is ``bmm2_scale * softmax(scores) @ kv_c``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -147,9 +148,8 @@ class DecodeProblem:
 
     def to(self, device: torch.device | str) -> DecodeProblem:
         """The same problem with every tensor on ``device``."""
-        return DecodeProblem(self.query.to(device), self.kv_cache.to(device), self.block_table.to(device),
-                             self.seq_lens.to(device), self.dims, self.bmm1_scale, self.bmm2_scale, self.max_seq_len,
-                             self.window_left, self.q_lens)
+        return dataclasses.replace(self, query=self.query.to(device), kv_cache=self.kv_cache.to(device),
+                                   block_table=self.block_table.to(device), seq_lens=self.seq_lens.to(device))
 
 
 def _expect(ok: bool, field: str, message: str) -> None:

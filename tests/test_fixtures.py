@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -237,7 +238,7 @@ def test_a_spec_only_fixture_missing_its_records_is_refused(tmp_path, damage, ma
     else:
         del meta[damage]
     path.write_text(json.dumps(meta))
-    _refused(path, match)
+    _refused(path, re.escape(match))
 
 
 def test_check_writable_dir(tmp_path):
@@ -246,3 +247,34 @@ def test_check_writable_dir(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match="--fixtures-dir: .*file is not a directory"):
         fixtures.check_writable_dir(tmp_path / "file" / "sub", "--fixtures-dir")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("spec.seq_lens", "ab", "'seq_lens' = 'ab' is not a non-empty list of integers"),
+    ("spec.seq_lens", [], "'seq_lens' = [] is not a non-empty list"),
+    ("spec.seq_lens", [5.5, 17], "'seq_lens' = [5.5, 17] is not a non-empty list of integers"),
+    ("spec.num_heads", "2", "'num_heads' = '2' is not an integer"),
+    ("spec.dtype", "int4", "'dtype' = 'int4' is not one of"),
+    ("spec", [1, 2], "spec: expected an object of fields, got list"),
+    ("metamorphic", "bogus", "metamorphic 'bogus' is not one of"),
+    ("backend", 5, "backend 5 is not a name"),
+    ("kernel_output", {"out": {"dtype": "bfloat16"}}, "kernel_output is not a record"),
+])
+def test_a_hand_edited_field_is_refused_in_one_line(tmp_path, field, value, match):
+    # replay reads these: a wrong type used to surface later as a TypeError or KeyError "internal error"
+    path = _spec_only(tmp_path)
+    meta = json.loads(path.read_text())
+    *parents, key = field.split(".")
+    target = meta
+    for parent in parents:
+        target = target[parent]
+    target[key] = value
+    path.write_text(json.dumps(meta))
+    _refused(path, re.escape(match))
+
+
+def test_every_spec_field_has_its_json_check():
+    import dataclasses
+
+    from mla_verify import generate
+    assert set(generate._JSON_FIELDS) == {f.name for f in dataclasses.fields(ProblemSpec)}
