@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compare import LSE_ABS_TOL, LSE_REL_TOL, judged_rows
+from .compare import judged_rows, lse_allowed
 from .dims import R1_YARN_FACTOR, yarn_mscale
 from .errors import ProblemError
 from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
@@ -267,8 +267,8 @@ def _error(name: str, problem: DecodeProblem, out: torch.Tensor, truth: Referenc
 
 
 def _lse_error(natural: torch.Tensor, want: torch.Tensor, truth: ReferenceResult) -> float:
-    """max |lse - want| / (compare.py's LSE tolerance), in natural-log units, over the rows compare.py judges;
+    """max |lse - want| / (the fixed part of compare.py's LSE bound), in natural-log units, over the rows judged;
     inf on a NaN mismatch."""
     want = want.to(torch.float64).to(natural.device)
-    ratio = judged_rows((natural - want).abs() / (LSE_ABS_TOL + LSE_REL_TOL * want.abs()), truth)
+    ratio = judged_rows((natural - want).abs() / lse_allowed(want, 0.0), truth)
     return float(torch.nan_to_num(ratio, nan=math.inf).max()) if ratio.numel() else 0.0

@@ -137,8 +137,8 @@ _JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "softmax_scale": (lambda v: v is None or _number(v), "null or a number"),
     "shuffle_pages": (lambda v: isinstance(v, bool), "true or false"),
     "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
-    "values": (lambda v: v in VALUE_KINDS, f"one of {list(VALUE_KINDS)}"),
-    "pad_fill": (lambda v: v in PAD_FILLS, f"one of {list(PAD_FILLS)}"),
+    # names: a drawn spec's are VALUE_KINDS and PAD_FILLS, a shadow reproducer's describe live tensors
+    **{n: (lambda v: isinstance(v, str), "a string") for n in ("values", "pad_fill")},
 }
 
 

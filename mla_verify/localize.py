@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from .compare import FACTOR, LSE_ABS_TOL, LSE_REL_TOL, baseline_decode, judged_rows
+from .compare import FACTOR, baseline_result, judged_rows, lse_allowed, lse_slack
 from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
 from .generate import DTYPES
 from .problem import DecodeProblem
@@ -51,8 +51,12 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
     dtype = {v: k for k, v in DTYPES.items()}[problem.query.dtype]
     out = judged_rows(out, truth)  # a ragged problem's padding rows: 0, neither wrong nor non-finite
     wide = exact_bf16(problem)
-    err, allowed = _row_errors(wide, out, truth, dtype)
+    baseline = baseline_result(wide, dtype)
+    err, allowed = _row_errors(out, truth, baseline, dtype)
     wrong = err > allowed
+    # a ragged problem's padding rows are neither wrong nor right: counted out, and either in a region's words
+    padding = torch.zeros_like(wrong) if truth.valid is None else ~truth.valid.to(wrong.device)[..., None]
+    rows = int((~padding).expand_as(wrong).sum())
     lines = []
     if not bool(wrong.any()):
         lines.append(WHERE + "every row of out (batch entry, query token, head) is within its tolerance (the "
@@ -60,10 +64,11 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
                      "output is wrong on its own; what failed is a check above, or an error spread thinly over "
                      "all of it")
     else:
-        right = _region(wide, ~wrong)
-        rest = "" if bool(wrong.all()) else "; " + (f"right in {right}" if right else "the other rows are right")
-        lines.append(WHERE + f"out is wrong in {_region(wide, wrong) or _listing(wrong)}{rest} "
-                     f"({int(wrong.sum())} of {wrong.numel()} rows wrong)")
+        right = _region_of(wide, ~wrong & ~padding, padding)
+        rest = "" if bool((wrong | padding).all()) else \
+            "; " + (f"right in {right}" if right else "the other rows are right")
+        lines.append(WHERE + f"out is wrong in {_region_of(wide, wrong, padding) or _listing(wrong)}{rest} "
+                     f"({int(wrong.sum())} of {rows} rows wrong)")
         lines += _nonfinite(problem, out, rerun)
         finite_wrong = wrong & torch.isfinite(out).all(-1).to(wrong.device)
         if bool(finite_wrong.any()):
@@ -71,23 +76,29 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
     if lse is not None and tuple(lse.shape) == tuple(truth.lse.shape):
         natural = lse.detach().to(torch.float64) * math.log(lse_base)
         want = truth.lse.to(torch.float64).to(natural.device)
-        bad = judged_rows(~((natural - want).abs() <= LSE_ABS_TOL + LSE_REL_TOL * want.abs()), truth, False)
+        allowed_lse = lse_allowed(want, lse_slack(baseline, truth, dtype))
+        bad = judged_rows(~((natural - want).abs() <= allowed_lse), truth, False)
         if bool(bad.any()):
-            lines.append(WHERE + f"the LSE is wrong in {_region(wide, bad) or _listing(bad)} "
-                         f"({int(bad.sum())} of {bad.numel()} values)")
+            lines.append(WHERE + f"the LSE is wrong in {_region_of(wide, bad, padding) or _listing(bad)} "
+                         f"({int(bad.sum())} of {rows} values)")
     return lines
 
 
 # ---------------------------------------------------------------- 1. which rows
-def _row_errors(p: DecodeProblem, out: torch.Tensor, truth: ReferenceResult,
+def _row_errors(out: torch.Tensor, truth: ReferenceResult, baseline: ReferenceResult,
                 dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (batch, token, head): relative L2 error of ``out`` (inf where not finite), and what is allowed."""
     o = out.detach().to(torch.float64)
     r = truth.out.to(torch.float64).to(o.device)
     norm = r.norm(dim=-1).clamp_min(1e-30)
     err = judged_rows(torch.where(torch.isfinite(o).all(-1), (o - r).norm(dim=-1) / norm, math.inf), truth)
-    base = (baseline_decode(p, dtype).to(o.device, torch.float64) - r).norm(dim=-1) / norm
+    base = (baseline.out.to(o.device, torch.float64) - r).norm(dim=-1) / norm
     return err, (FACTOR[dtype] * base).clamp_min(ROW_FLOOR)
+
+
+def _region_of(p: DecodeProblem, mask: torch.Tensor, padding: torch.Tensor) -> str | None:
+    """``_region`` of ``mask``, else of ``mask`` with the padding rows (which no judgement reads) counted in."""
+    return _region(p, mask) or (_region(p, mask | padding) if bool(padding.any()) else None)
 
 
 def _region(p: DecodeProblem, mask: torch.Tensor) -> str | None:

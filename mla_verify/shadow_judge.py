@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .compare import ErrorStats, baseline_decode, compare
+from .compare import ErrorStats, baseline_result, compare
 from .diagnose import diagnose
 from .errors import ProblemError
 from .harness import judge_reference
@@ -90,7 +90,7 @@ def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgeme
     if problem is None or call.unchecked or out is None:
         return verdict
     ref = judge_reference(problem)
-    baseline = baseline_decode(problem, dtype_name(problem))
+    baseline = baseline_result(problem, dtype_name(problem))  # its LSE sets the LSE allowance, as in check
     base = call.contract.lse_base if call.return_lse else None
     verdict.stats, verdict.failures = compare(out, lse if base else None, ref, baseline, dtype_name(problem), base)
     verdict.compared = True

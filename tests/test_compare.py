@@ -5,8 +5,9 @@ import math
 
 import torch
 
-from mla_verify.compare import _expected_bf16_rounding, compare
+from mla_verify.compare import _expected_bf16_rounding, compare, lse_allowed
 from mla_verify.generate import ProblemSpec, build_problem
+from mla_verify.localize import localize
 from mla_verify.reference import reference_decode
 
 # heavy-tailed values: a few large outputs dominate the norm, where the baseline's luck was seen on an H200
@@ -21,7 +22,7 @@ def test_expected_rounding_matches_rounding_to_bf16():
 
 def test_an_exact_baseline_does_not_fail_a_kernel_that_only_rounds_its_output():
     ref = reference_decode(build_problem(SPEC))
-    exact_baseline = ref.out  # the luckiest baseline there can be: no error at all
+    exact_baseline = ref  # the luckiest baseline there can be: no error at all
     kernel = ref.out.to(torch.bfloat16)  # a perfect kernel: the exact answer, rounded to its bf16 output
     stats, failures = compare(kernel, None, ref, exact_baseline, "bf16", None)
     assert not failures, failures
@@ -31,7 +32,7 @@ def test_the_floor_still_fails_a_wrong_scale():
     problem = build_problem(SPEC)
     ref = reference_decode(problem)
     wrong = reference_decode(problem.__class__(**{**problem.__dict__, "bmm1_scale": problem.bmm1_scale * 1.05}))
-    stats, failures = compare(wrong.out.to(torch.bfloat16), None, ref, ref.out, "bf16", None)
+    stats, failures = compare(wrong.out.to(torch.bfloat16), None, ref, ref, "bf16", None)
     assert any("relative L2" in f for f in failures), failures
 
 
@@ -49,9 +50,10 @@ def test_an_lse_as_far_off_as_the_baselines_passes_and_a_base_mixup_fails():
     assert base_err > 2e-3  # the fixed bound alone would fail a kernel that rounds like the baseline
     kernel_lse = ref.lse + 2 * (base.lse.double() - ref.lse)  # twice the baseline's LSE error, base e -> 2 below
     out = ref.out.to(torch.bfloat16)
-    _, failures = compare(out, kernel_lse / math.log(2), ref, base.out, "bf16", 2.0, base.lse)
+    _, failures = compare(out, kernel_lse / math.log(2), ref, base, "bf16", 2.0)
     assert not failures, failures
-    _, fixed_only = compare(out, kernel_lse / math.log(2), ref, base.out, "bf16", 2.0)
-    assert any("LSE" in f for f in fixed_only)
-    _, mixup = compare(out, kernel_lse, ref, base.out, "bf16", 2.0, base.lse)  # natural log where base 2 is due
+    assert bool(((kernel_lse - ref.lse).abs() > lse_allowed(ref.lse, 0.0)).any())  # past the fixed part alone
+    _, mixup = compare(out, kernel_lse, ref, base, "bf16", 2.0)  # natural log where base 2 is due
     assert any("LSE" in f for f in mixup)
+    # the localization of a failure reads the same bound: it does not call this LSE wrong
+    assert not any("LSE" in line for line in localize(problem, out, ref, kernel_lse / math.log(2), 2.0))

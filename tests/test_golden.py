@@ -8,7 +8,7 @@ import torch
 from oracles import naive_decode
 
 from mla_verify.backends import get_backend
-from mla_verify.compare import baseline_decode, compare
+from mla_verify.compare import baseline_result, compare
 from mla_verify.fixtures import load_fixture
 from mla_verify.golden import GOLDEN
 from mla_verify.layouts import LayoutSpec
@@ -55,7 +55,7 @@ def test_cpu_peer_matches_the_stored_answer(golden):
     prepared = backend.prepare(golden.problem, LayoutSpec())
     out, lse = prepared.to_canonical(prepared.invoke())
     stored = ReferenceResult(golden.tensors["ref_out"], golden.tensors["ref_lse"])
-    baseline = baseline_decode(golden.problem, golden.spec.dtype)
+    baseline = baseline_result(golden.problem, golden.spec.dtype)
     stats, failures = compare(out, lse, stored, baseline, golden.spec.dtype, backend.envelope.lse_base)
     assert failures == [], failures
     assert stats.error_ratio < 1

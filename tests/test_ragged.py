@@ -60,12 +60,11 @@ def test_the_comparison_reads_only_the_rows_that_are_tokens() -> None:
     padding = ~p.valid_rows()
     for fill in (float("nan"), float("inf"), 1e4):  # whatever lies in a padding row is never read
         stats, failures = compare(out.masked_fill(padding[..., None, None], fill),
-                                  lse.masked_fill(padding[..., None], fill), ref, baseline.out, "bf16", 2.0,
-                                  baseline.lse)
+                                  lse.masked_fill(padding[..., None], fill), ref, baseline, "bf16", 2.0)
         assert failures == [] and stats.nonfinite == 0
     wrong = out.clone()
     wrong[0, 0, 1] += 1.0  # a token row: judged
-    assert compare(wrong, None, ref, baseline.out, "bf16", None)[1]
+    assert compare(wrong, None, ref, baseline, "bf16", None)[1]
 
 
 def test_only_the_fa_paths_take_ragged_problems_and_the_others_say_why() -> None:
@@ -181,3 +180,14 @@ def test_a_user_kernel_cannot_declare_ragged_problems() -> None:
     assert envelope_from_overrides({"ragged_q": False}).ragged_q is False
     with pytest.raises(UsageError, match="ragged_q.*one q_len for every request"):
         envelope_from_overrides({"ragged_q": True})
+
+
+def test_localization_counts_only_token_rows() -> None:
+    from mla_verify.localize import localize
+
+    p = build_problem(SPEC)
+    ref = reference_decode(p)
+    lines = localize(p, _with_nan_padding(p, ref.out * 1.5).to(torch.bfloat16), ref)  # every token row wrong
+    tokens = sum(SPEC.q_lens) * SPEC.num_heads
+    assert f"({tokens} of {tokens} rows wrong)" in lines[0], lines
+    assert "right" not in lines[0], lines  # padding rows are not the "other rows"
