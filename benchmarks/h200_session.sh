@@ -16,6 +16,7 @@ mkdir -p "$R" "$REG"
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$R/session.log"; }
 if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the parallel phase's children
   WS=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
+  export FLASHINFER_WORKSPACE_BASE=$WS  # where FlashInfer builds: the cache packed at the end is this one
   # FlashInfer's JIT builds (fa2/fa3, ~25 s each) come back as jit-cache.tar.gz; carried in .gpu-bundle/ next time.
   # Unpacked on a fresh machine only: over the newer cache of a warm one it makes FlashInfer rebuild
   if [ -f .gpu-bundle/jit-cache.tar.gz ] && [ ! -d "$WS/.cache" ]; then
@@ -50,6 +51,7 @@ for phase in "$@"; do
     warm)
       start=$SECONDS
       python3 benchmarks/warm_jit.py $(printf -- "--backend %s " ${WARM_BACKENDS:-fa3 fa2}) 2>&1 | tee "$R/warm.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || log "warm: a variant did not pass (warm.log); its first timed call compiles"
       log "warm took $((SECONDS - start)) s" ;;
     gputests)
       start=$SECONDS; MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q -p no:cacheprovider -rs ${GPU_TESTS:-tests} \

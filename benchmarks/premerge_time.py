@@ -63,7 +63,7 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(record: dict[str, Any]) -> str:
     lines = ["# Premerge wall time on CPU", "", f"Machine: {machine_line(record['machine'])}. "
-             f"OMP_NUM_THREADS={record['OMP_NUM_THREADS'] or 'unset (mla-verify check then sets one torch thread on CPU)'}; "
+             f"OMP_NUM_THREADS={record['OMP_NUM_THREADS'] or 'unset (the CLI then sets one torch thread)'}; "
              f"busy-looping background processes started by the benchmark: {record['background_load']}. "
              f"Bound: {BOUND_S:.0f} s wall per run. CPU s: the run's own user+system seconds "
              "(spin-waiting threads count too).", "",

@@ -3,7 +3,7 @@
 A GPU is often shared -- by the xdist workers of one ``pytest -n auto`` run, or by another process already
 holding memory -- so the size of the cases a run draws starts from this process's share of the memory that is
 free when the run starts, and shrinks for the rest of the run after an out-of-memory error. Import rule:
-torch only; nothing from the rest of the package.
+torch and ``errors`` only.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import math
 import os
 
 import torch
+
+from .errors import UsageError
 
 # Peak device bytes per cached token (of 576 values) of one judged case, all stages together: the fp32
 # values the problem is built from (2.3 KB), the pool (1.2 KB), its snapshot and a page-strided copy
@@ -44,7 +46,9 @@ def release_cached(device: torch.device) -> None:
 def device_sharers(environ: dict[str, str] | None = None) -> int:
     """How many processes share this process's GPU: SHARERS_ENV if set, else the xdist workers per GPU."""
     env = os.environ if environ is None else environ
-    if env.get(SHARERS_ENV, "").isdigit() and int(env[SHARERS_ENV]) > 0:
+    if SHARERS_ENV in env:
+        if not (env[SHARERS_ENV].isdigit() and int(env[SHARERS_ENV]) > 0):
+            raise UsageError(f"{SHARERS_ENV}={env[SHARERS_ENV]!r}: expected a number of processes >= 1")
         return int(env[SHARERS_ENV])
     workers = env.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not workers.isdigit() or int(workers) < 1:

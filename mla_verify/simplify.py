@@ -26,6 +26,8 @@ MAX_ATTEMPTS = 48  # cases run at most: a corner failure is big, and each attemp
 MAX_SECONDS = 30.0  # and at most this long: a 131072-token case costs ~1 s an attempt on a 2-core machine
 PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, table_pad=0, pad_fill="zero", values="normal", shuffle_pages=False,
                   softmax_scale=None, bmm2_extra=1.0, q_scale=1.0, k_scale=1.0, q_lens=None)
+PLAIN_LAYOUT = ("page_stride_pad", "cache_dims", "table_width")  # set to the envelope's plainest (_plainer)
+FEATURES = len(PLAIN_SPEC) + len(PLAIN_LAYOUT) + 1  # and the metamorphic transform: each tried once
 
 
 def size(case: Case) -> tuple[int, int]:
@@ -34,18 +36,19 @@ def size(case: Case) -> tuple[int, int]:
     return sum(s.seq_lens) * s.num_heads * s.q_len, s.batch
 
 
-def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool], attempts: int = MAX_ATTEMPTS,
-             seconds: float = MAX_SECONDS) -> Case:
+def simplify(case: Case, env: Envelope, fails: Callable[[Case], bool]) -> Case:
     """The smallest case reached from ``case`` by single changes that keep ``fails(case)`` true: sizes first,
-    within ``attempts`` cases, then each incidental feature once; all within ``seconds``."""
-    stop_at = time.monotonic() + seconds
-    case = _greedy(case, lambda c: _smaller(c, env), env, fails, attempts, stop_at)
-    return _greedy(case, lambda c: _plainer(c, env), env, fails, len(PLAIN_SPEC) + 4, stop_at)
+    within MAX_ATTEMPTS cases, then each incidental feature once; all within MAX_SECONDS."""
+    stop_at = time.monotonic() + MAX_SECONDS
+    case = _greedy(case, lambda c: _smaller(c, env), env, fails, MAX_ATTEMPTS, stop_at, retry=True)
+    return _greedy(case, lambda c: _plainer(c, env), env, fails, FEATURES, stop_at, retry=False)
 
 
 def _greedy(case: Case, changes: Callable[[Case], Iterator[tuple[str, Case]]], env: Envelope,
-            fails: Callable[[Case], bool], attempts: int, stop_at: float) -> Case:
-    """Apply the first change under which the case still fails, again, until none does or the budget ends."""
+            fails: Callable[[Case], bool], attempts: int, stop_at: float, retry: bool) -> Case:
+    """Apply the first change under which the case still fails, again, until none does or the budget ends.
+    ``retry``: a change rejected before is tried again once the case has changed (a smaller batch can make a
+    smaller head count fail); without it each change is tried once."""
     rejected: set[str] = set()
     while attempts > 0 and time.monotonic() < stop_at:
         for name, candidate in changes(case):
@@ -54,7 +57,7 @@ def _greedy(case: Case, changes: Callable[[Case], Iterator[tuple[str, Case]]], e
             attempts -= 1
             if fails(candidate):
                 case = candidate
-                rejected = {r for r in rejected if r.startswith("feature")}  # features stay decided
+                rejected = set() if retry else rejected
                 break
             rejected.add(name)
             if attempts == 0 or time.monotonic() >= stop_at:
@@ -105,6 +108,7 @@ def _plainer(case: Case, env: Envelope) -> Iterator[tuple[str, Case]]:
             yield f"feature {key}", replace(case, spec=replace(s, **{key: plain}))
     plain_layout: dict[str, Any] = dict(page_stride_pad=0, cache_dims=min(env.cache_dims),
                                         table_width=env.table_widths[0])
+    assert tuple(plain_layout) == PLAIN_LAYOUT
     for key, plain in plain_layout.items():
         if getattr(layout, key) != plain:
             yield f"feature {key}", replace(case, layout=replace(layout, **{key: plain}))

@@ -7,11 +7,10 @@ import signal
 import time
 from typing import Any
 
+from cli_kernels import SMALL_ENVELOPE  # small problems: the time goes to the kernel's sleep, not to judging
+
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 
-# Small problems: the time goes to the kernel's sleep, not to judging.
-SMALL_ENVELOPE = {"devices": ["cpu"], "page_sizes": [4, 16], "dims": [[256, 64]], "heads": [1, 2, 3],
-                  "q_len": [1, 2], "max_batch": 3, "max_seq_len": 40}
 SLOW_CALL_S = 0.4  # each call of `slow`: a case makes two or three calls, so ~1 s a case
 
 

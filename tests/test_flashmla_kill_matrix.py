@@ -26,6 +26,8 @@ ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096, max_
 def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend():
     result = verify(stand_in_backend(correct_kernel, ENVELOPE), "cpu", "premerge")
     assert result.verdict == "pass", result.failure and result.failure.failures
+    # premerge judges ~65 cases in this envelope (60 drawn and the corner cases); 40 still shows that the backend
+    # ran most of them rather than skipping them as outside its envelope
     assert sum(c.verdict == "pass" for c in result.cases) >= 40
 
 

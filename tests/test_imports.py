@@ -23,10 +23,16 @@ def module_names(package: Path) -> dict[str, Path]:
     return names
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING`` itself (not ``not TYPE_CHECKING``, whose body runs)."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _runtime_nodes(node: ast.AST):
     """Every node under ``node``, leaving out the bodies of ``if TYPE_CHECKING:`` blocks."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
             for other in child.orelse:
                 yield other
                 yield from _runtime_nodes(other)

@@ -8,6 +8,7 @@ import torch
 from mla_verify import harness, memory, metamorphic
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 from mla_verify.engine import verify
+from mla_verify.errors import UsageError
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import SKIP_MEMORY, run_case
 from mla_verify.layouts import LayoutSpec
@@ -90,7 +91,11 @@ def test_a_run_draws_smaller_cases_after_an_oom():
     assert sum(c.skip_kind == SKIP_MEMORY for c in after) < len(after) / 2  # the rest mostly fits
 
 
-def test_sharers_of_one_gpu():
+def test_sharers_of_one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the CI machine's view, also on a GPU host
     assert memory.device_sharers({}) == 1
     assert memory.device_sharers({memory.SHARERS_ENV: "3"}) == 3
-    assert memory.device_sharers({"PYTEST_XDIST_WORKER_COUNT": "16"}) == 16  # no GPU here: all on one device
+    assert memory.device_sharers({"PYTEST_XDIST_WORKER_COUNT": "16"}) == 16  # no GPU: all on one device
+    for bad in ("three", "0", "-2"):  # a typo must not silently size every case for one process
+        with pytest.raises(UsageError, match=memory.SHARERS_ENV):
+            memory.device_sharers({memory.SHARERS_ENV: bad})

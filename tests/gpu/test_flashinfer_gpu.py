@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mla_verify.backends import get_backend
+from mla_verify.backends.base import Backend
 from mla_verify.engine import EngineResult, verify
 from mla_verify.generate import ProblemSpec
 from mla_verify.harness import CaseResult, run_case
@@ -29,6 +30,8 @@ from mla_verify.report import resolutions
 
 pytestmark = pytest.mark.gpu
 
+# cases each FA backend's acceptance run must pass: the hundreds of distinct judged cases an acceptance run is
+# about, below the ~600 that 800 drawn examples gave on the H200 (planner refusals take the rest)
 MIN_PASS = int(os.environ.get("MLA_VERIFY_GPU_MIN_PASS", "500"))
 # drawn cases asked of Hypothesis: more than must pass, as FlashInfer's planner refusals (skips) use examples
 # too -- on the H200 about a quarter of drawn cases were refused (fp8 with rank 256, causal tile edges), so
@@ -80,15 +83,27 @@ def test_fa_grid_at_the_acceptance_corners(name: str, page: int, heads: int, q_l
     device = _cuda()
     backend = _runnable(name, device)
     lens = (max(q_len, 1), max(q_len, page + 1), 16384, 3 * page - 1 if 3 * page - 1 >= q_len else q_len)
-    for dtype, layout in (("bf16", LayoutSpec()), ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False))):
-        spec = ProblemSpec(seq_lens=lens, q_len=q_len, num_heads=heads, page_size=page, dtype=dtype,
-                           q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
-                           bmm2_extra=1.25, extra_pages=3, table_pad=2, seed=page * 1000 + heads + q_len)
-        result = run_case(backend, spec, layout, device)
-        if result.verdict == "skip":  # only FlashInfer's own planner may refuse an in-envelope case
+    _pass_or_planner_refusal(backend, device, [
+        (ProblemSpec(seq_lens=lens, q_len=q_len, num_heads=heads, page_size=page, dtype=dtype,
+                     q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
+                     bmm2_extra=1.25, extra_pages=3, table_pad=2, seed=page * 1000 + heads + q_len), layout, "none")
+        for dtype, layout in (("bf16", LayoutSpec()), ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False)))])
+
+
+def _pass_or_planner_refusal(backend: Backend, device: torch.device,
+                             cases: list[tuple[ProblemSpec, LayoutSpec, str]]) -> None:
+    """Every case passes, or FlashInfer's own planner refuses it (the only refusal of an in-envelope case);
+    a test whose every case was refused judged nothing, so it is a skip with the planner's reasons."""
+    refused = []
+    for spec, layout, transform in cases:
+        result = run_case(backend, spec, layout, device, transform=transform)
+        if result.verdict == "skip":
             assert "planner refuses" in result.reason, result.reason
+            refused.append(result.reason)
             continue
         assert result.verdict == "pass", f"{result.describe()}: {result.failures}"
+    if len(refused) == len(cases):
+        pytest.skip(f"FlashInfer's planner refused every case: {refused}")
 
 
 def test_fa_auto_resolves_to_fa3_on_hopper() -> None:
@@ -118,16 +133,12 @@ def test_fa_ragged_requests(name: str, page: int, heads: int, q_lens: tuple[int,
     backend = _runnable(name, device)
     q_len = max(q_lens)
     lens = (q_len, page + 1 if page + 1 >= q_len else q_len, 16384, 3 * page + 5)
-    for dtype, layout, check in (("bf16", LayoutSpec(), "batch"),
-                                 ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False), "none")):
-        spec = ProblemSpec(seq_lens=lens, q_len=q_len, q_lens=q_lens, num_heads=heads, page_size=page, dtype=dtype,
-                           q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
-                           bmm2_extra=1.25, extra_pages=3, table_pad=2, seed=page * 1000 + heads + q_len)
-        result = run_case(backend, spec, layout, device, transform=check)
-        if result.verdict == "skip":  # only FlashInfer's own planner may refuse an in-envelope case
-            assert "planner refuses" in result.reason, result.reason
-            continue
-        assert result.verdict == "pass", f"{result.describe()}: {result.failures}"
+    _pass_or_planner_refusal(backend, device, [
+        (ProblemSpec(seq_lens=lens, q_len=q_len, q_lens=q_lens, num_heads=heads, page_size=page, dtype=dtype,
+                     q_scale=0.5 if dtype == "fp8" else 1.0, k_scale=2.0 if dtype == "fp8" else 1.0,
+                     bmm2_extra=1.25, extra_pages=3, table_pad=2, seed=page * 1000 + heads + q_len), layout, check)
+        for dtype, layout, check in (("bf16", LayoutSpec(), "batch"),
+                                     ("fp8", LayoutSpec(page_stride_pad=3, pass_out=False), "none"))])
 
 
 @pytest.mark.parametrize("name", FLASHINFER_BACKENDS)

@@ -57,11 +57,10 @@ def test_every_length_edge_in_one_batch() -> None:
 
 
 def test_swa_passes_the_premerge_run() -> None:
-    """Needs strategies that draw the envelope's windows, batch sizes and q_lens: until they do, every drawn
-    case is outside the envelope, and this says so instead of passing on nothing."""
     device = _cuda()
     record = acceptance_run(_runnable(NAME, device), device,
                             int(os.environ.get("MLA_VERIFY_GPU_MAX_EXAMPLES", "200")))
-    if record["passed"] == 0:
-        pytest.skip(f"no drawn case was inside the envelope: {sorted(record['skip_reasons'])[:3]}")
+    # the strategies draw the envelope's windows, batch sizes and q_lens, so nearly every drawn case is judged
+    # (205 of 205 passed on the H200, 2026-12-02, with 200 drawn plus the corner cases): half of that passing
+    # leaves room for duplicates, and none passing is a broken strategy, not a skip
     assert record["passed"] >= min(MIN_PASS, 100), record["skip_reasons"]
