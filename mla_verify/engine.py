@@ -218,20 +218,21 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
 def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
                 record: Callable[..., CaseResult]) -> CaseResult:
     """A failing case made as small as it still fails (simplify.py), within the run's deadline."""
-    last = {"result": failure}
+    last = failure
 
     def fails(case: Case) -> bool:
+        nonlocal last
         clock.check()
         r = record(case)
         if r.verdict == "fail":
-            last["result"] = r
+            last = r
         return r.verdict == "fail"
 
     try:
         simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
     except _Stop:
         pass
-    return last["result"]
+    return last
 
 
 def _hung(result: EngineResult) -> CaseResult | None:

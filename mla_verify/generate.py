@@ -142,6 +142,14 @@ _JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def dtype_name(problem: DecodeProblem) -> str:
+    """The tolerance model's dtype of a built problem: fp8 when the query or the cache is fp8 (what a spec's
+    ``dtype`` says), else the query's."""
+    if FP8 in (problem.query.dtype, problem.kv_cache.dtype):
+        return "fp8"
+    return next((name for name, dtype in DTYPES.items() if dtype == problem.query.dtype), "bf16")
+
+
 def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> DecodeProblem:
     """Materialize ``spec`` on ``device``; NaN in every cache slot no sequence owns."""
     device = torch.device(device)

@@ -29,7 +29,7 @@ import torch
 
 from .compare import FACTOR, baseline_result, judged_rows, lse_allowed, lse_slack
 from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
-from .generate import DTYPES
+from .generate import dtype_name
 from .problem import DecodeProblem
 from .reference import ReferenceResult, reference_decode
 
@@ -48,7 +48,7 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
              lse_base: float = 2.0, rerun: Rerun | None = None) -> list[str]:
     """Lines (each starting with ``WHERE``) saying where ``out`` [B, q_len, H, L] (and ``lse`` [B, q_len, H]
     in ``lse_base``) are wrong and right; ``rerun`` runs the kernel again, to tell a NaN's cause."""
-    dtype = {v: k for k, v in DTYPES.items()}[problem.query.dtype]
+    dtype = dtype_name(problem)
     out = judged_rows(out, truth)  # a ragged problem's padding rows: 0, neither wrong nor non-finite
     wide = exact_bf16(problem)
     baseline = baseline_result(wide, dtype)

@@ -12,6 +12,7 @@ import torch
 from .compare import ErrorStats, baseline_result, compare
 from .diagnose import diagnose
 from .errors import ProblemError
+from .generate import dtype_name
 from .harness import judge_reference
 from .layouts import LayoutSpec
 from .problem import DecodeProblem
@@ -26,7 +27,7 @@ from .shadow_contract import (
     validation_finding,
 )
 from .shadow_entries import LiveCall
-from .shadow_problem import describing_spec, dtype_name, live_layout, live_problem
+from .shadow_problem import describing_spec, live_layout, live_problem
 from .tracebacks import exception_line
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 
 from .dims import MLADims
-from .generate import DTYPES, ProblemSpec
+from .generate import ProblemSpec, dtype_name
 from .layouts import LayoutSpec, canonical_cache, padded_width
-from .problem import FP8, DecodeProblem
+from .problem import DecodeProblem
 from .shadow_contract import DEEPSEEK_QK_NOPE, PagedArgs
 
 LIVE_VALUES = "live"  # ProblemSpec.values of a live call: its tensors are the engine's, not drawn
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def live_problem(args: PagedArgs) -> DecodeProblem:
@@ -44,13 +43,6 @@ def live_layout(args: PagedArgs, pass_out: bool, return_lse: bool, table_width: 
     return LayoutSpec(cache_dims=args.kv_cache.dim(), page_stride_pad=pad_rows,
                       table_width=table_width or ("pad128" if aligned else "native"), pass_out=pass_out,
                       return_lse=return_lse)
-
-
-def dtype_name(problem: DecodeProblem) -> str:
-    """The tolerance model's dtype: fp8 when the query or the cache is fp8, else the query's."""
-    if FP8 in (problem.query.dtype, problem.kv_cache.dtype):
-        return "fp8"
-    return DTYPE_NAMES.get(problem.query.dtype, "bf16")
 
 
 def describing_spec(problem: DecodeProblem) -> ProblemSpec:

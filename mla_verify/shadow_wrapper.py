@@ -20,10 +20,9 @@ import torch
 from .backends.flashinfer_wrapper import WRAPPER_PATHS
 from .layouts import csr_to_block_table
 from .shadow_contract import ERROR, WARNING, Finding, KernelContract, PagedArgs
-from .shadow_entries import LN_BASE, LiveCall, result_parts, scalar
+from .shadow_entries import LN_BASE, LSE_BASES, LiveCall, result_parts, scalar
 
 METADATA_FIELDS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "cum_seq_lens_q", "block_tables", "seq_lens")
-LSE_MODES = {"base2": 2.0, "basee": LN_BASE}
 
 
 @dataclass
@@ -140,7 +139,7 @@ def joined_cache(ckv: torch.Tensor, kpe: torch.Tensor) -> torch.Tensor:
 
 
 def read_run(plan: PlanRecord, values: Mapping[str, Any]) -> LiveCall:
-    base = LSE_MODES.get(plan.lse_mode or "")
+    base = LSE_BASES.get(plan.lse_mode or "")  # the same names as a run's return_lse_base
     if plan.lse_mode is None:  # legacy flat plan: the run decides
         base = LN_BASE if values.get("return_lse_base_on_e") else 2.0
     path = WRAPPER_PATHS.get(plan.backend)
