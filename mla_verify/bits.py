@@ -15,7 +15,10 @@ def changed_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape != b.shape or a.dtype != b.dtype:
         return torch.tensor(max(a.numel(), b.numel()), device=a.device)
     ints = _SAME_WIDTH_INTS[a.element_size()]
-    return (a.contiguous().view(ints) != b.contiguous().view(ints)).sum()
+    a, b = a.view(ints), b.view(ints)  # a same-width view keeps any strides: no copy of a strided pool
+    if a.device.type == "cpu" and torch.equal(a, b):  # a scan that allocates nothing, where `!=` makes a bool
+        return torch.zeros((), dtype=torch.int64)    # tensor of the input's size (most inputs are unchanged)
+    return (a != b).sum()
 
 
 def changed_elements(a: torch.Tensor, b: torch.Tensor) -> int:

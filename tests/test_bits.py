@@ -33,6 +33,9 @@ def test_shape_or_dtype_changes_count_as_every_element() -> None:
 def test_non_contiguous_views_compare_by_their_elements() -> None:
     a = torch.arange(12.0).reshape(3, 4)
     assert same_bits(a.t(), a.t().contiguous())
+    b = a.clone()
+    b[0, 1] = -1
+    assert changed_elements(a.t(), b.t()) == 1 and changed_elements(a[:, ::2], b[:, ::2]) == 0
 
 
 def test_changed_elements_each_counts_every_pair() -> None:

@@ -271,3 +271,21 @@ def test_check_says_how_many_cases_a_policy_backend_resolved_to_each_kernel(caps
     assert line, out
     most, n, least, m = line.groups()
     assert {most: int(n), least: int(m)} == counts and int(n) >= int(m)  # most first
+
+
+@pytest.mark.parametrize("env_value, huge", [(None, True), ("0", False)])
+def test_check_on_cpu_backs_large_tensors_with_huge_pages(env_value, huge):
+    """`check --device cpu` turns on torch's huge-page allocation before torch's first allocation, which is
+    when torch reads it (cli.cpu_run_settings); a THP_MEM_ALLOC_ENABLE the user set wins. torch then aligns
+    a tensor of 2 MiB or more to the page; otherwise glibc puts it 64 bytes into its mapping."""
+    probe = ("import sys, torch; from mla_verify.cli import main; code = main(sys.argv[1:]); "
+             "print(code, torch.empty(4 << 20, dtype=torch.uint8).data_ptr() % 4096)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    done = subprocess.run([sys.executable, "-c", probe, "check", "--kernel", GOOD, *FAST], capture_output=True,
+                          text=True, env=env, timeout=300)
+    code, offset = done.stdout.split()[-2:]
+    assert code == "0", done.stderr
+    assert (offset == "0") == huge, done.stdout
