@@ -30,8 +30,9 @@ FACTOR = {"bf16": 3.0, "fp16": 3.0, "fp8": 4.0, "fp32": 2.0, "fp64": 2.0}
 P_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
            "fp32": torch.float32, "fp64": torch.float64}
 # Cosine-difference floors: bf16 FlashMLA's 1e-5 (a correct bf16 kernel sits near rel_l2^2 / 2 ~ 2e-6). fp8:
-# with fp8 probabilities rel_l2 reaches ~3e-2, i.e. ~5e-4; 2e-3 leaves 4x. Raised per problem when the
-# baseline itself is further off (compare()).
+# with fp8 probabilities rel_l2 reaches ~3e-2, i.e. ~5e-4; 2e-3 leaves 4x. fp32/fp64 (reference checks):
+# rel_l2 ~1e-6 gives ~1e-12; 1e-8 (rel_l2 ~1.4e-4) is far above that and far below any wrong formula. Raised
+# per problem when the baseline itself is further off (compare()).
 COS_DIFF_MAX = {"bf16": 1e-5, "fp16": 1e-5, "fp8": 2e-3, "fp32": 1e-8, "fp64": 1e-8}
 # LSE: a kernel sums fp32 exponentials of fp32 scores, so with exact scores its LSE is off by ~1e-5; 2e-3 +
 # 1e-4 |lse| leaves a wide margin yet a base mix-up (a factor ln 2 ~ 0.69) misses by far. A kernel that rounds

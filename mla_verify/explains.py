@@ -13,8 +13,12 @@ import torch
 from .problem import FP8, DecodeProblem
 
 # rel L2 below which a recomputation explains the output. fp8: a careful fp8 kernel (fp8 probabilities)
-# reaches rel L2 ~3e-2 (compare.py), so it gets 4x that; TRUTH_MARGIN keeps it discriminating.
+# reaches rel L2 ~3e-2 (compare.py), so it gets 4x that. Other (bf16, fp16): a correct kernel sits about its
+# output rounding, 2^-9 ~ 2e-3, from exact arithmetic; 2e-2 leaves 10x for its accumulation order.
 OUT_TOL = {"fp8": 1.2e-1, "other": 2e-2}
+# ...and the recomputation must be this many times closer than the correct reference. A kernel that is only
+# noisier than a correct one is about as far from every nearby recomputation as from the truth, so no
+# explanation beats the truth by 4x; one that computes a wrong formula is close to that formula alone.
 TRUTH_MARGIN = 4.0
 WHERE = "where: "  # the start of every localization line (localize.py), as against an explanation
 

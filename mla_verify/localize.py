@@ -38,6 +38,9 @@ from .reference import ReferenceResult, reference_decode
 # wrong for rounding alone. FACTOR x the baseline is the larger bound on every multi-token row.
 ROW_FLOOR = 2.0 ** -8
 MAX_CHUNKS = 4096  # chunks per re-run row: positions are resolved one by one in sequences up to this long
+# Cost bounds, not tolerances: each re-run row is the reference recomputed over up to MAX_CHUNKS chunks of
+# its keys (and the fine ones at their ends). Three rows (the first, last and a middle batch entry) tell a
+# per-request fault from one in every request; two heads of each tell a per-head fault from a per-row one.
 MAX_ROWS = 3  # wrong (batch entry, query token) rows the key search re-runs
 MAX_HEADS = 2  # wrong heads of each
 LISTED = 6  # entries named before "... and N more"
