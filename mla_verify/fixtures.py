@@ -81,12 +81,6 @@ class Reproducer:
     stored: tuple[str, ...] = ()  # the tensors in the .safetensors file
     reason: str = ""
 
-    def describe(self) -> str:
-        how = "the problem's tensors stored" if self.problem_stored else "the problem rebuilt from its spec on replay"
-        kept = [what for what, name in (("output", "kernel_out"), ("LSE", "kernel_lse")) if name in self.stored]
-        output = f"the kernel's {' and '.join(kept)} stored" if kept else "the kernel's output summarised"
-        return f"{self.bytes / 2**20:.2f} MiB; {how}, {output}"
-
 
 def fixture_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     """(tensors, json) for a fixture named by its .json, its .safetensors or their common stem."""

@@ -385,13 +385,13 @@ def _nonfinite(p: DecodeProblem, out: torch.Tensor, rerun: Rerun | None) -> list
     return lines
 
 
-def finite_poison(p: DecodeProblem, seed: int = 0) -> DecodeProblem | None:
+def finite_poison(p: DecodeProblem) -> DecodeProblem | None:
     """``p`` with a finite value (drawn like the cache's own) in every cache slot that holds NaN; None if none."""
     wide = exact_bf16(p).kv_cache
     holes = torch.isnan(wide)
     if not bool(holes.any()):
         return None
-    gen = torch.Generator(device=wide.device).manual_seed(seed)
+    gen = torch.Generator(device=wide.device).manual_seed(0)
     fill = torch.randn(wide.shape, generator=gen, device=wide.device, dtype=torch.float32).to(wide.dtype)
     return replace(p, kv_cache=torch.where(holes, fill, wide).to(p.kv_cache.dtype))
 
