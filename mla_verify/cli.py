@@ -140,7 +140,7 @@ def _version() -> str:
 
 # ---------------------------------------------------------------- check
 def cpu_run_settings() -> None:
-    """How `check --device cpu` runs torch, unless the environment says otherwise (docs/verified.md)."""
+    """How `check` and `replay` run torch on CPU, unless the environment says otherwise (docs/verified.md)."""
     if "OMP_NUM_THREADS" not in os.environ:
         # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
         # waits for the thread that is not scheduled
@@ -298,6 +298,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if reason is not None:
         raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
     print(f"replaying {fx.json_path} on {device}: {backend.name}")
+    if device.type == "cpu":
+        cpu_run_settings()  # as `check` ran: with another thread count the baseline's sums round differently
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.layout.describe()}")
     problem, exact = fx.problem_on(device)
