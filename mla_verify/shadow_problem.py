@@ -55,19 +55,20 @@ def describing_spec(problem: DecodeProblem) -> ProblemSpec:
                        dtype=dtype_name(p), softmax_scale=p.bmm1_scale, bmm2_extra=p.bmm2_scale,
                        extra_pages=max(0, p.num_pages - int(used.sum())),
                        table_pad=p.block_table.shape[1] - int(used.max()), values=LIVE_VALUES,
-                       max_seq_len=p.max_seq_len)
+                       max_seq_len=p.max_seq_len, window_left=p.window_left, q_lens=p.q_lens)
 
 
 def compact(problem: DecodeProblem, rows: list[int] | None = None) -> DecodeProblem:
     """The same problem (only sequences ``rows``, if given) over just the pages it reads: the pool holds those
-    pages in ascending id order and the table is renumbered; entries past a sequence's pages become -1."""
+    pages in ascending id order and the table is renumbered; entries past a sequence's pages become -1. The
+    window and per-request query lengths (of the kept rows) go with it."""
     p = problem
-    index = torch.arange(p.batch, device=p.device) if rows is None else torch.tensor(rows, device=p.device)
-    table, lens = p.block_table[index], p.seq_lens[index]
-    used = torch.arange(table.shape[1], device=p.device)[None, :] < ((lens.long() + p.page_size - 1)
-                                                                    // p.page_size)[:, None]
+    kept = list(range(p.batch)) if rows is None else list(rows)
+    index = torch.tensor(kept, device=p.device, dtype=torch.long)
+    table, lens, used = p.block_table[index], p.seq_lens[index], p.used_entries()[index]
     pages, renumbered = torch.unique(table[used], return_inverse=True)
     new_table = torch.full_like(table, -1)
     new_table[used] = renumbered.to(torch.int32)
+    q_lens = None if p.q_lens is None else tuple(p.q_lens[b] for b in kept)
     return DecodeProblem(p.query[index].contiguous(), p.kv_cache[pages.long()].contiguous(), new_table, lens.clone(),
-                         p.dims, p.bmm1_scale, p.bmm2_scale, p.max_seq_len).validate()
+                         p.dims, p.bmm1_scale, p.bmm2_scale, p.max_seq_len, p.window_left, q_lens).validate()

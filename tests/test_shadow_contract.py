@@ -208,3 +208,13 @@ def test_compacting_keeps_the_numbers_and_only_the_pages_read() -> None:
     def peer(p):
         return cpu_peer_decode(p.query, p.kv_cache, None, 128, 512, 64, p.block_table, p.seq_lens, 100)
     assert torch.equal(peer(small), peer(problem))
+
+
+def test_compacting_keeps_the_window_and_the_kept_rows_query_lengths() -> None:
+    spec = replace(SPEC, q_len=3, q_lens=(2, 3, 1), window_left=7)
+    problem = build_problem(spec)
+    assert describing_spec(problem).window_left == 7 and describing_spec(problem).q_lens == (2, 3, 1)
+    two = compact(problem, [0, 2])
+    assert (two.window_left, two.q_lens) == (7, (2, 1))
+    # a dropped window or q_lens would attend to more tokens and change these rows
+    assert torch.equal(reference_decode(two).out, reference_decode(problem).out[[0, 2]])
