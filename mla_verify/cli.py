@@ -139,12 +139,13 @@ def _version() -> str:
 
 
 # ---------------------------------------------------------------- check
-def cpu_run_settings() -> None:
-    """How `check` and `replay` run torch on CPU, unless the environment says otherwise (docs/verified.md)."""
+def cpu_run_settings(threads: int = 1) -> None:
+    """How `check` and `replay` run torch on CPU, unless the environment says otherwise (docs/verified.md):
+    ``threads`` torch threads (replay: the recorded run's count) unless OMP_NUM_THREADS is set."""
     if "OMP_NUM_THREADS" not in os.environ:
         # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
         # waits for the thread that is not scheduled
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
     # torch's CPU allocator then backs each tensor of 2 MiB or more with huge pages. A case's large tensors are
     # mapped afresh, and with 4 KiB pages the page faults were half of a CPU premerge run. Blocks are handed
     # out and reused as before, so the poison priming of harness._invoke is unchanged. torch reads the
@@ -299,7 +300,9 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
     print(f"replaying {fx.json_path} on {device}: {backend.name}")
     if device.type == "cpu":
-        cpu_run_settings()  # as `check` ran: with another thread count the baseline's sums round differently
+        # as the recorded run did (`check`: one thread; a shadow call: its process's count); with another
+        # thread count CPU sums round differently
+        cpu_run_settings(int(fx.meta.get("torch_threads", 1)))
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.layout.describe()}")
     problem, exact = fx.problem_on(device)
@@ -349,8 +352,14 @@ def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | No
         pairs.append((records["lse"], result.lse))
     same = all(tensor_record(got) == want for want, got in pairs)
     source = fx.meta.get("source_device", "cpu")
-    where = "" if str(source).split(":")[0] == device.type else \
-        f" (recorded on {source}: bit identity is not expected across device types)"
+    threads = fx.meta.get("torch_threads")
+    if str(source).split(":")[0] != device.type:
+        where = f" (recorded on {source}: bit identity is not expected across device types)"
+    elif device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+        where = (f" (recorded with {threads} torch threads, replayed with {torch.get_num_threads()}: CPU sums "
+                 "round differently; unset OMP_NUM_THREADS to replay with the recorded count)")
+    else:
+        where = ""
     what = "output and LSE" if len(pairs) == 2 else "output"
     print(f"  kernel {what}: {'bit-identical to' if same else 'differ from'} the recorded run{where}")
 

@@ -145,6 +145,8 @@ def _encode(fixture_id: str, problem: DecodeProblem, meta: dict[str, Any], extra
         **({} if problem.window_left is None else {"window_left": problem.window_left}),
         **({} if problem.q_lens is None else {"q_lens": list(problem.q_lens)}),
         "source_device": str(problem.device),
+        # CPU sums split over threads: a replay needs the same count to reproduce the output bit for bit
+        **({"torch_threads": torch.get_num_threads()} if problem.device.type == "cpu" else {}),
         "versions": library_versions(),
         "problem_stored": store_problem,
         "problem_tensors": {k: tensor_record(v) for k, v in problem_tensors.items()},

@@ -119,6 +119,27 @@ def test_a_reproducer_replays_with_the_cli(tmp_path: Path, capsys: pytest.Captur
     assert cli.main(["replay", str(path), "--kernel", "mla_verify.mutants:correct_kernel"]) == 0
 
 
+
+def test_a_cpu_reproducer_replays_with_its_recorded_thread_count(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the caller's process, not `check`'s one thread
+        with session(fixtures_dir=tmp_path):
+            call(halves_swapped)
+        path, = tmp_path.glob("*.json")
+        assert load_fixture(path).meta["torch_threads"] == 2
+        torch.set_num_threads(1)
+        assert cli.main(["replay", str(path)]) == 1
+        assert torch.get_num_threads() == 2 and "bit-identical to the recorded run" in capsys.readouterr().out
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the environment's count wins, and the replay says so
+        torch.set_num_threads(1)
+        cli.main(["replay", str(path)])
+        assert "recorded with 2 torch threads, replayed with 1" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+
 def test_reproducers_are_capped(tmp_path: Path) -> None:
     whole = int(PROBLEM.pages_used().sum()) * 32 * 576 * 2
     with session(fixtures_dir=tmp_path / "one", fixture_cap_mib=0.9 * whole / 2**20):
