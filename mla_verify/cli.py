@@ -379,13 +379,15 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
-    from .platform import platform_info
+    from .platform import flashinfer_range_note, platform_info
 
     info = platform_info()
     print(f"mla-verify {_version()}")
     print(f"python {info.python}; torch {info.torch}; CUDA (torch build) {info.torch_cuda or 'none'}")
     fi = info.flashinfer or "not installed"
-    print(f"flashinfer {fi}" + (f" -- import fails: {info.flashinfer_error}" if info.flashinfer_error else ""))
+    outside = flashinfer_range_note(info.flashinfer)
+    print(f"flashinfer {fi}" + (f" -- {outside}" if outside else "")
+          + (f" -- import fails: {info.flashinfer_error}" if info.flashinfer_error else ""))
     if not info.gpus:
         print("GPUs: none visible")
     for g in info.gpus:

@@ -47,6 +47,9 @@ class PlatformInfo:
     def describe(self) -> str:
         gpus = ", ".join(f"cuda:{g.index} {g.name} ({g.sm})" for g in self.gpus) or "no CUDA GPU"
         fi = self.flashinfer or "not installed"
+        outside = flashinfer_range_note(self.flashinfer)
+        if outside:
+            fi += f" ({outside})"
         if self.flashinfer_error:
             fi += f" (import fails: {self.flashinfer_error})"
         return (f"python {self.python}, torch {self.torch} (CUDA {self.torch_cuda or 'none'}), "
@@ -68,6 +71,27 @@ def visible_gpus() -> list[GpuInfo]:
     if not torch.cuda.is_available():
         return []
     return [gpu_info(i) for i in range(torch.cuda.device_count())]
+
+
+# pyproject.toml's flashinfer-python requirement: the envelopes and contract tests are read from these releases'
+# sources (tests/test_platform.py keeps the two equal)
+FLASHINFER_RANGE = ">=0.7.4,<0.8"
+
+
+def flashinfer_range_note(version: str | None) -> str | None:
+    """None when ``version`` is in FLASHINFER_RANGE (or FlashInfer is not installed); else one line saying so."""
+    if version is None:
+        return None
+    from packaging.specifiers import SpecifierSet  # a dependency of flashinfer-python, which is installed here
+    from packaging.version import InvalidVersion
+
+    try:
+        if SpecifierSet(FLASHINFER_RANGE).contains(version, prereleases=True):
+            return None
+    except InvalidVersion:
+        pass
+    return (f"outside the supported range {FLASHINFER_RANGE}: the backends' envelopes and contract tests are "
+            "written against those releases")
 
 
 def flashinfer_version() -> str | None:
