@@ -514,7 +514,9 @@ def _device(text: str) -> torch.device:
 def bench_main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="mla-verify bench", description=__doc__.split("\n\n")[0])
     add_bench_arguments(parser)
-    return bench_command(parser.parse_args(argv))
+    from .cli import run_command  # the CLI's catch-all: no exit prints a traceback
+
+    return run_command(parser.parse_args(argv, argparse.Namespace(command="bench", func=bench_command)))
 
 
 if __name__ == "__main__":  # `python -m mla_verify.bench ...` on a host where the console script is not installed

@@ -114,6 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2), already printed
         return int(e.code or 0)
     ns.command_line = shlex.join(["mla-verify", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(ns)
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    """``ns.func(ns)`` for the command ``ns.command``, so that no exit prints a traceback: an MLAVerifyError is
+    one line and exit 2, Ctrl-C exit 130, any other error one line naming where it was raised (exit 2)."""
     try:
         return ns.func(ns)
     except MLAVerifyError as e:
