@@ -32,7 +32,15 @@ import torch
 
 from .backends import Backend, requested_backends
 from .bench_timing import CudaTimer, Timer, WallClockTimer
-from .cli_args import OneLineParser, non_negative_int, one_line, parse_device, positive_int, positive_number
+from .cli_args import (
+    OneLineParser,
+    non_negative_int,
+    one_line,
+    parse_device,
+    positive_int,
+    positive_number,
+    run_command,
+)
 from .errors import MLAVerifyError, UsageError
 from .fixtures import check_writable_dir, library_versions
 from .generate import DTYPES, ProblemSpec, build_problem
@@ -514,8 +522,6 @@ def _device(text: str) -> torch.device:
 def bench_main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="mla-verify bench", description=__doc__.split("\n\n")[0])
     add_bench_arguments(parser)
-    from .cli import run_command  # the CLI's catch-all: no exit prints a traceback
-
     return run_command(parser.parse_args(argv, argparse.Namespace(command="bench", func=bench_command)))
 
 

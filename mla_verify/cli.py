@@ -11,7 +11,6 @@ import os
 import shlex
 import sys
 import time
-import traceback
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,19 +22,16 @@ from .cli_args import (
     EXIT_DISCREPANCY,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
     OneLineParser,
     non_negative_int,
-    one_line,
     parse_device,
     positive_int,
     positive_minutes,
     positive_seconds,
+    run_command,
 )
 from .engine import DEFAULT_KERNEL_SECONDS
-from .errors import MLAVerifyError, UsageError
-
-TRACEBACK_ENV = "MLA_VERIFY_TRACEBACK"  # set to 1 to see the traceback of an internal error
+from .errors import UsageError
 
 
 # ---------------------------------------------------------------- the parser
@@ -115,27 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     ns.command_line = shlex.join(["mla-verify", *(sys.argv[1:] if argv is None else argv)])
     return run_command(ns)
-
-
-def run_command(ns: argparse.Namespace) -> int:
-    """``ns.func(ns)`` for the command ``ns.command``, so that no exit prints a traceback: an MLAVerifyError is
-    one line and exit 2, Ctrl-C exit 130, any other error one line naming where it was raised (exit 2)."""
-    try:
-        return ns.func(ns)
-    except MLAVerifyError as e:
-        print(f"mla-verify {ns.command}: error: {one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"mla-verify {ns.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - no exit prints a traceback unless asked to
-        if os.environ.get(TRACEBACK_ENV) == "1":
-            raise
-        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
-        print(f"mla-verify {ns.command}: internal error: {type(e).__name__}: {one_line(e)}{at} "
-              f"(set {TRACEBACK_ENV}=1 for the traceback, and please report it)", file=sys.stderr)
-        return EXIT_USAGE
 
 
 def _version() -> str:

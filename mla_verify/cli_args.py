@@ -1,16 +1,24 @@
 """What ``mla-verify`` and ``mla-verify bench`` share on their command lines: exit codes, a parser whose usage
-errors are one line, and the argument types (each rejects a bad value with a one-line reason).
+errors are one line, the argument types (each rejects a bad value with a one-line reason), and the runner that
+keeps every exit free of tracebacks.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
+import traceback
+from pathlib import Path
 from typing import NoReturn
 
 import torch
 
+from .errors import MLAVerifyError
+
 EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE = 0, 1, 2  # docs/contracts.md, Contract 2
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+TRACEBACK_ENV = "MLA_VERIFY_TRACEBACK"  # set to 1 to see the traceback of an internal error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -81,3 +89,24 @@ def parse_device(text: str) -> torch.device:
 def one_line(e: BaseException) -> str:
     """An error's message on one line, for stderr."""
     return " ".join(str(e).split())
+
+
+def run_command(ns: argparse.Namespace) -> int:
+    """``ns.func(ns)`` for the command ``ns.command``, so that no exit prints a traceback: an MLAVerifyError is
+    one line and exit 2, Ctrl-C exit 130, any other error one line naming where it was raised (exit 2)."""
+    try:
+        return ns.func(ns)
+    except MLAVerifyError as e:
+        print(f"mla-verify {ns.command}: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"mla-verify {ns.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - no exit prints a traceback unless asked to
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+        print(f"mla-verify {ns.command}: internal error: {type(e).__name__}: {one_line(e)}{at} "
+              f"(set {TRACEBACK_ENV}=1 for the traceback, and please report it)", file=sys.stderr)
+        return EXIT_USAGE
