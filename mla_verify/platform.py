@@ -116,6 +116,12 @@ def flashinfer_import_error() -> str | None:
     return import_error("flashinfer")
 
 
+def flashinfer_unavailable() -> str | None:
+    """A FlashInfer backend's reason not to run when FlashInfer cannot be imported; None when it can."""
+    error = flashinfer_import_error()
+    return None if error is None else f"flashinfer cannot be imported ({error})"
+
+
 def platform_info() -> PlatformInfo:
     return PlatformInfo(python=_platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
                         flashinfer=flashinfer_version(), flashinfer_error=flashinfer_import_error(),

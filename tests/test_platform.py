@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.specifiers import SpecifierSet
 
 from mla_verify import cli, platform
@@ -36,3 +37,16 @@ def test_doctor_and_the_report_s_platform_line_name_an_unsupported_flashinfer(
     line, = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("flashinfer ")]
     assert line.startswith("flashinfer 0.7.2.post1 -- outside the supported range")
     assert "flashinfer 0.7.2.post1 (outside the supported range" in platform.platform_info().describe()
+
+
+def test_a_flashinfer_that_does_not_import_is_every_flashinfer_backend_s_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_verify.backends import get_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(platform, "flashinfer_import_error", lambda: "ImportError: libcudart.so.13: cannot open")
+    for name in ("fa2", "fa3", "flashinfer-swa"):
+        reason = get_backend(name).unavailable_reason(torch.device("cuda"))
+        assert reason == "flashinfer cannot be imported (ImportError: libcudart.so.13: cannot open)", name

@@ -321,7 +321,7 @@ def test_on_sm90_trtllm_gen_says_it_needs_sm100_before_touching_flashinfer(fake_
 
     def untouchable(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("FlashInfer was consulted before the architecture check")
-    monkeypatch.setattr(flashinfer_trtllm, "flashinfer_import_error", untouchable)
+    monkeypatch.setattr(flashinfer_trtllm, "flashinfer_unavailable", untouchable)
     monkeypatch.setattr(fi_decode, "trtllm_batch_decode_with_kv_cache_mla", untouchable)
     result = run_case(get_backend("trtllm-gen"), SPEC, LayoutSpec(), "cuda")
     assert result.verdict == "skip"

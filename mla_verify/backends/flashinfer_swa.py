@@ -19,7 +19,7 @@ import torch
 
 from ..generate import ProblemSpec
 from ..layouts import LayoutSpec, trtllm_args
-from ..platform import flashinfer_import_error, flashinfer_version
+from ..platform import flashinfer_unavailable, flashinfer_version
 from ..problem import DecodeProblem
 from .base import Backend, Envelope, PreparedCall
 
@@ -58,9 +58,7 @@ class FlashInferSwaBackend(Backend):
     description = "FlashInfer SM90 sliding-window MLA decode (batch_decode_with_kv_cache_mla_swa)"
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        reason = super().unavailable_reason(device)
-        if reason is None and (error := flashinfer_import_error()):
-            reason = f"flashinfer cannot be imported ({error})"
+        reason = super().unavailable_reason(device) or flashinfer_unavailable()
         if reason is None:
             import flashinfer.mla
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..platform import flashinfer_import_error
+from ..platform import flashinfer_unavailable
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
 BLACKWELL_DC = ((10, 0), (10, 3), (10, 7))  # SM100 / SM103 / SM107: the archs trtllm-gen's FmhaRunner accepts
@@ -61,10 +61,7 @@ class FlashInferTrtllmBackend(TrtllmStyleBackend):
     then whether FlashInfer imports at all."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        reason = super().unavailable_reason(device)
-        if reason is None and (error := flashinfer_import_error()):
-            reason = f"flashinfer cannot be imported ({error})"
-        return reason
+        return super().unavailable_reason(device) or flashinfer_unavailable()
 
 
 def trtllm_backends() -> list[FlashInferTrtllmBackend]:

@@ -30,7 +30,7 @@ import torch
 
 from ..generate import DTYPES, ProblemSpec
 from ..layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
-from ..platform import flashinfer_import_error
+from ..platform import flashinfer_unavailable
 from ..problem import FP8, DecodeProblem
 from .base import Backend, Envelope, PreparedCall
 from .flashinfer_trtllm import BLACKWELL_DC, SM12X
@@ -118,10 +118,7 @@ class FlashInferWrapperBackend(Backend):
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        reason = super().unavailable_reason(device)
-        if reason is None and (error := flashinfer_import_error()):
-            reason = f"flashinfer cannot be imported ({error})"
-        return reason
+        return super().unavailable_reason(device) or flashinfer_unavailable()
 
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
         reason = super().why_not(spec, layout, device)
