@@ -283,7 +283,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if device.type == "cpu":
         # as the recorded run did (`check`: one thread; a shadow call: its process's count); with another
         # thread count CPU sums round differently
-        cpu_run_settings(int(fx.meta.get("torch_threads", 1)))
+        cpu_run_settings(fx.meta.get("torch_threads", 1))
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.layout.describe()}")
     problem, exact = fx.problem_on(device)
@@ -360,15 +360,12 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
-    from .platform import flashinfer_range_note, platform_info
+    from .platform import platform_info
 
     info = platform_info()
     print(f"mla-verify {_version()}")
     print(f"python {info.python}; torch {info.torch}; CUDA (torch build) {info.torch_cuda or 'none'}")
-    fi = info.flashinfer or "not installed"
-    outside = flashinfer_range_note(info.flashinfer)
-    print(f"flashinfer {fi}" + (f" -- {outside}" if outside else "")
-          + (f" -- import fails: {info.flashinfer_error}" if info.flashinfer_error else ""))
+    print(f"flashinfer {info.flashinfer_text()}")
     if not info.gpus:
         print("GPUs: none visible")
     for g in info.gpus:

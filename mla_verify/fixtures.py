@@ -264,6 +264,9 @@ def _check_case_fields(json_path: Path, meta: dict[str, Any]) -> None:
         raise FixtureError(f"{json_path}: metamorphic {meta['metamorphic']!r} is not one of {list(TRANSFORMS)}")
     if not isinstance(meta.get("backend", ""), str):
         raise FixtureError(f"{json_path}: backend {meta['backend']!r} is not a name")
+    threads = meta.get("torch_threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise FixtureError(f"{json_path}: torch_threads {threads!r} is not a thread count (an integer >= 1)")
     summary = meta.get("kernel_output") or {}
     if not isinstance(summary, dict) or not all(
             v is None or (isinstance(v, dict) and {"dtype", "shape", "sha256"} <= set(v)) for v in summary.values()):

@@ -44,16 +44,16 @@ class PlatformInfo:
             g["sm"] = info.sm
         return d
 
+    def flashinfer_text(self) -> str:
+        """The FlashInfer version, whether it is outside the supported range, and why it fails to import."""
+        notes = [flashinfer_range_note(self.flashinfer),
+                 self.flashinfer_error and f"import fails: {self.flashinfer_error}"]
+        return (self.flashinfer or "not installed") + "".join(f" ({n})" for n in notes if n)
+
     def describe(self) -> str:
         gpus = ", ".join(f"cuda:{g.index} {g.name} ({g.sm})" for g in self.gpus) or "no CUDA GPU"
-        fi = self.flashinfer or "not installed"
-        outside = flashinfer_range_note(self.flashinfer)
-        if outside:
-            fi += f" ({outside})"
-        if self.flashinfer_error:
-            fi += f" (import fails: {self.flashinfer_error})"
         return (f"python {self.python}, torch {self.torch} (CUDA {self.torch_cuda or 'none'}), "
-                f"flashinfer {fi}; {gpus}")
+                f"flashinfer {self.flashinfer_text()}; {gpus}")
 
 
 def sm_name(capability: tuple[int, int]) -> str:

@@ -220,7 +220,6 @@ def test_bench_main_times_the_registered_cpu_peer(tmp_path: Path, capsys: pytest
     assert all(c.median_ms > 0 and c.rel_l2 < bench.SANITY_REL_L2 for c in result.cases)
 
 
-
 def test_an_internal_error_is_one_line_not_a_traceback(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     # `python -m mla_verify.bench` as `mla-verify bench`: the CLI's catch-all, not a traceback
@@ -232,6 +231,7 @@ def test_an_internal_error_is_one_line_not_a_traceback(monkeypatch: pytest.Monke
     assert bench_main([]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("mla-verify bench: internal error: RuntimeError: boom")
+
 
 # ----------------------------------------------------------------------------------------------- no GPU
 def test_no_gpu_exits_2_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

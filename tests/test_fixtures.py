@@ -258,6 +258,8 @@ def test_check_writable_dir(tmp_path):
     ("spec", [1, 2], "spec: expected an object of fields, got list"),
     ("metamorphic", "bogus", "metamorphic 'bogus' is not one of"),
     ("backend", 5, "backend 5 is not a name"),
+    ("torch_threads", 0, "torch_threads 0 is not a thread count"),
+    ("torch_threads", "2", "torch_threads '2' is not a thread count"),
     ("kernel_output", {"out": {"dtype": "bfloat16"}}, "kernel_output is not a record"),
 ])
 def test_a_hand_edited_field_is_refused_in_one_line(tmp_path, field, value, match):

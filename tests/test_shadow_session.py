@@ -119,7 +119,6 @@ def test_a_reproducer_replays_with_the_cli(tmp_path: Path, capsys: pytest.Captur
     assert cli.main(["replay", str(path), "--kernel", "mla_verify.mutants:correct_kernel"]) == 0
 
 
-
 def test_a_cpu_reproducer_replays_with_its_recorded_thread_count(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -139,6 +138,7 @@ def test_a_cpu_reproducer_replays_with_its_recorded_thread_count(tmp_path: Path,
         assert "recorded with 2 torch threads, replayed with 1" in capsys.readouterr().out
     finally:
         torch.set_num_threads(before)
+
 
 def test_reproducers_are_capped(tmp_path: Path) -> None:
     whole = int(PROBLEM.pages_used().sum()) * 32 * 576 * 2
