@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mla_verify.backends.base import PreparedCall
-from mla_verify.bench_timing import CudaTimer
+from mla_verify.bench.timing import CudaTimer
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Time-to-catch per mutant under a run profile (premerge by default): a benchmark, nothing is asserted.
 
-For each mutant, ``mla_verify.engine.verify`` runs the profile exactly as ``mla-verify check --kernel
-mla_verify.mutants:<name>`` would; we record the wall seconds and cases until its first failing case, the
+For each mutant, ``mla_verify.run.engine.verify`` runs the profile exactly as ``mla-verify check --kernel
+mla_verify.kernels.mutants:<name>`` would; we record the wall seconds and cases until its first failing case, the
 total with shrinking and diagnosis, the shrunk case and its diagnosis. The correct kernel runs the same
 profile (it must pass). Beside each kernel's numbers: its CPU seconds and the load average before and after
 (timings on a shared machine depend on what else runs). Results go to ``--out`` (JSON, with the machine and
@@ -21,9 +21,9 @@ from typing import Any
 from run_record import LOAD_HEADER, load_cells, machine_line, machine_record, measured
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.engine import verify
-from mla_verify.harness import CaseResult
-from mla_verify.mutants import MUTANTS, FaultyKernel, correct_kernel
+from mla_verify.kernels.mutants import MUTANTS, FaultyKernel, correct_kernel
+from mla_verify.run.engine import verify
+from mla_verify.run.harness import CaseResult
 
 
 def time_to_catch(fn: FaultyKernel, device: str, profile: str) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [n for n in args.mutants.split(",") if n] or list(MUTANTS)
     unknown = sorted(set(names) - set(MUTANTS))
     if unknown:
-        ap.error(f"unknown mutant(s) {', '.join(unknown)}; see mla_verify.mutants.MUTANTS")
+        ap.error(f"unknown mutant(s) {', '.join(unknown)}; see mla_verify.kernels.mutants.MUTANTS")
     machine, results = machine_record(), {}
     for name in names + ["correct_kernel"]:
         fn = correct_kernel if name == "correct_kernel" else MUTANTS[name].fn

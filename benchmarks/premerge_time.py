@@ -2,7 +2,7 @@
 
 Runs the real command line, ``python -m mla_verify.cli check ... --device cpu --profile premerge --report``,
 ``--runs`` times (default 2) for each target -- the correct CPU kernel (``--kernel
-mla_verify.mutants:correct_kernel``) and the CPU peer (``--backend cpu-peer``) -- one run at a time, and
+mla_verify.kernels.mutants:correct_kernel``) and the CPU peer (``--backend cpu-peer``) -- one run at a time, and
 records each run's wall and CPU seconds (process start to exit, imports included), its exit code, and the
 machine's load around it (run_record.measured). Then it compares the runs' reports: the ordered (case id,
 verdict) lists must be equal. The acceptance bound (60 s per run) is reported, not asserted: the time depends
@@ -31,7 +31,8 @@ from typing import Any
 
 from run_record import LOAD_HEADER, REPO, load_cells, machine_line, machine_record, measured
 
-TARGETS = {"correct_kernel": ["--kernel", "mla_verify.mutants:correct_kernel"], "cpu-peer": ["--backend", "cpu-peer"]}
+TARGETS = {"correct_kernel": ["--kernel", "mla_verify.kernels.mutants:correct_kernel"],
+           "cpu-peer": ["--backend", "cpu-peer"]}
 BOUND_S = 60.0  # the goal: premerge on the 2-core CPU machine takes <= 60 s
 
 

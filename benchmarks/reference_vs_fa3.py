@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from mla_verify.backends.flashinfer_wrapper import WRAPPER_PATHS, FlashInferWrapperBackend
-from mla_verify.bench import BenchCase, pick_layout
-from mla_verify.bench_timing import EAGER, ArmedRound, CudaTimer, Timing
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.platform import platform_info
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
+from mla_verify.bench.measure import BenchCase, pick_layout
+from mla_verify.bench.timing import EAGER, ArmedRound, CudaTimer, Timing
+from mla_verify.core.platform import platform_info
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
 
 CASES = (BenchCase(128, 128, 4096, 64), BenchCase(512, 16, 4096, 64), BenchCase(64, 16, 16384, 32))
 TIME_RATIO_GOAL = 10.0  # the reference within 10x fa3's time

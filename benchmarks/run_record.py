@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mla_verify.platform import platform_info
+from mla_verify.core.platform import platform_info
 
 REPO = Path(__file__).resolve().parent.parent
 

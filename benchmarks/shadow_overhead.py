@@ -24,11 +24,11 @@ from collections.abc import Callable
 import torch
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec, wrapper_args
-from mla_verify.platform import platform_info
-from mla_verify.problem import DecodeProblem
+from mla_verify.core.dims import R1_SOFTMAX_SCALE
+from mla_verify.core.platform import platform_info
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, wrapper_args
+from mla_verify.problems.problem import DecodeProblem
 from mla_verify.shadow import shadow
 
 CASES = {"cuda": ((8, 1024, 16), (64, 2048, 16), (128, 4096, 128)), "cpu": ((2, 256, 16), (4, 1024, 16))}

@@ -20,11 +20,11 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 
 from mla_verify.backends import get_backend
-from mla_verify.compare import P_DTYPE
-from mla_verify.generate import build_problem
-from mla_verify.layouts import LayoutSpec
-from mla_verify.reference import fast_matmul_mode, reference_decode
-from mla_verify.strategies import budget_for, specs
+from mla_verify.draw.strategies import budget_for, specs
+from mla_verify.judge.compare import P_DTYPE
+from mla_verify.problems.generate import build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.reference import fast_matmul_mode, reference_decode
 
 
 def errors(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

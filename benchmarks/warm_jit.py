@@ -19,8 +19,8 @@ from dataclasses import replace
 from multiprocessing import get_context
 
 from mla_verify.backends import get_backend
-from mla_verify.harness import run_case
-from mla_verify.strategies import budget_for, corner_cases
+from mla_verify.draw.strategies import budget_for, corner_cases
+from mla_verify.run.harness import run_case
 
 
 def _variants(name: str) -> list[tuple[str, str, int, int]]:

@@ -25,11 +25,11 @@ import torch
 
 from .backends.base import Backend
 from .backends.user_kernel import kernel_backend, load_kernel
-from .engine import DEFAULT_SEED, EngineResult, verify
-from .errors import UsageError
-from .failure import DEFAULT_FIXTURES_DIR, failure_lines, save_reproducer
-from .hypothesis_db import resolve_database
-from .profiles import Profile, get_profile
+from .core.errors import UsageError
+from .draw.hypothesis_db import resolve_database
+from .draw.profiles import Profile, get_profile
+from .records.failure import DEFAULT_FIXTURES_DIR, failure_lines, save_reproducer
+from .run.engine import DEFAULT_SEED, EngineResult, verify
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,17 @@ import torch
 
 from .backends import all_backends
 from .backends.user_kernel import load_kernel
-from .errors import UsageError
-from .hypothesis_db import resolve_database
-from .profiles import PROFILES
+from .core.errors import UsageError
+from .draw.hypothesis_db import resolve_database
+from .draw.profiles import PROFILES
 from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
-from .workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request
+from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request
 
 # premerge is derandomized: a plain `pytest` run gives the same cases on any number of workers and GPUs.
 DEFAULT_PROFILE = "premerge"
 SLOT_INPUT = "mla_verify_slot"  # key in xdist's workerinput: the slot the controller gave this worker
 
-pytest_plugins = ["mla_verify.shadow_pytest"]  # --mla-shadow: checks the MLA decode calls any test makes
+pytest_plugins = ["mla_verify.pytest_shadow"]  # --mla-shadow: checks the MLA decode calls any test makes
 
 _OPTIONS_KEY = pytest.StashKey["MLAOptions"]()
 _ASSIGNMENT_KEY = pytest.StashKey[Assignment]()

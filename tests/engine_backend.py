@@ -23,7 +23,7 @@ from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
 from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.dims import R1_SOFTMAX_SCALE
+from mla_verify.core.dims import R1_SOFTMAX_SCALE
 
 L, R, NOPE, V = 512, 64, 128, 128
 ROUTES = ("torch", "flashinfer", "fa2", "fa3")

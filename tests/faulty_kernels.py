@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.layouts import canonical_cache
+from mla_verify.problems.layouts import canonical_cache
 
 HEAD_TILE = 64
 TILE_SCALE = 1.5

@@ -14,8 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import ReferenceResult
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import ReferenceResult
 
 F64 = torch.float64
 # Both sides are float64 and differ only in summation order: agreement is ~1e-15. Any real mistake (scale,

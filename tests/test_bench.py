@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify import bench
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
-from mla_verify.bench import BenchCase, BenchResult, bench_main, compare_results, run_bench
-from mla_verify.bench_timing import WallClockTimer
-from mla_verify.dims import MLADims
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import canonical_cache
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
+from mla_verify.bench import measure as bench
+from mla_verify.bench.measure import BenchCase, BenchResult, bench_main, compare_results, run_bench
+from mla_verify.bench.timing import WallClockTimer
+from mla_verify.core.dims import MLADims
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import canonical_cache
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
 
 TINY_AXES = {"batch": (2, 3), "heads": (2,), "max_seq_len": (40,), "page_size": (32,), "dtype": ("bf16",),
              "q_len": (1, 2)}
@@ -273,7 +273,7 @@ def _call(invoke):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_call_that_cannot_be_captured_is_timed_with_plain_launches() -> None:
-    from mla_verify.bench_timing import EAGER, CudaTimer
+    from mla_verify.bench.timing import EAGER, CudaTimer
 
     x = torch.ones(1 << 20, device="cuda")
     timer = CudaTimer(torch.device("cuda"), samples=3)

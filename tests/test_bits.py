@@ -1,10 +1,10 @@
-"""mla_verify.bits: equality of bits, not of values."""
+"""mla_verify.core.bits: equality of bits, not of values."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mla_verify.bits import changed_elements, changed_elements_each, same_bits
+from mla_verify.core.bits import changed_elements, changed_elements_each, same_bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32])

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from mla_verify.backends.user_kernel import load_kernel
-from mla_verify.bits import same_bits
-from mla_verify.cli import main
-from mla_verify.fixtures import fixture_paths, load_fixture, save_fixture
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
+from mla_verify.cli.main import main
+from mla_verify.core.bits import same_bits
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.records.fixtures import fixture_paths, load_fixture, save_fixture
+from mla_verify.run.harness import run_case
 
 TESTS = Path(__file__).resolve().parent
 GOOD, BAD = "cli_kernels:good", "cli_kernels:wrong_scale"  # tests/cli_kernels.py: tiny envelope, fast cases
@@ -209,7 +209,6 @@ def test_doctor_and_list_backends(capsys):
 def test_no_backend_named_checks_every_runnable_one_and_says_why_others_skip(capsys, tmp_path, monkeypatch):
     """With nothing named, check verifies all backends available here and gives each skipped one's reason."""
     from mla_verify import backends as registry
-
     good, bad = load_kernel(GOOD), load_kernel(BAD)
     gpu_only = load_kernel("cli_kernels:gpu_only")
     monkeypatch.setattr(registry, "all_backends", lambda: {b.name: b for b in (good, gpu_only)})
@@ -252,7 +251,6 @@ def test_check_says_how_many_cases_a_policy_backend_resolved_to_each_kernel(caps
     from dataclasses import replace
 
     from mla_verify import backends as registry
-
     good = load_kernel(GOOD)
 
     class Policy(type(good)):  # picks "one" for single-token queries, "many" for the others
@@ -278,7 +276,7 @@ def test_check_on_cpu_backs_large_tensors_with_huge_pages(env_value, huge):
     """`check --device cpu` turns on torch's huge-page allocation before torch's first allocation, which is
     when torch reads it (cli.cpu_run_settings); a THP_MEM_ALLOC_ENABLE the user set wins. torch then aligns
     a tensor of 2 MiB or more to the page; otherwise glibc puts it 64 bytes into its mapping."""
-    probe = ("import sys, torch; from mla_verify.cli import main; code = main(sys.argv[1:]); "
+    probe = ("import sys, torch; from mla_verify.cli.main import main; code = main(sys.argv[1:]); "
              "print(code, torch.empty(4 << 20, dtype=torch.uint8).data_ptr() % 4096)")
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-from mla_verify.compare import _expected_bf16_rounding, compare, lse_allowed
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.localize import localize
-from mla_verify.reference import reference_decode
+from mla_verify.judge.compare import _expected_bf16_rounding, compare, lse_allowed
+from mla_verify.judge.localize import localize
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.reference import reference_decode
 
 # heavy-tailed values: a few large outputs dominate the norm, where the baseline's luck was seen on an H200
 SPEC = ProblemSpec(seq_lens=(63, 198), num_heads=1, page_size=64, bmm2_extra=1.5625, values="outliers", seed=7)
@@ -40,7 +40,7 @@ def _lse_case():
     # large scores (peaked queries, a big softmax scale): rounding q * scale to bf16 moves the LSE past 2e-3
     problem = build_problem(ProblemSpec(seq_lens=(40, 300), q_len=2, num_heads=4, page_size=64, values="large",
                                         softmax_scale=0.3, seed=11))
-    from mla_verify.compare import baseline_result
+    from mla_verify.judge.compare import baseline_result
     return problem, reference_decode(problem), baseline_result(problem, "bf16")
 
 

@@ -13,12 +13,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-import mla_verify.reference
+import mla_verify.problems.reference
 from mla_verify.backends.cpu_peer import CPU_PEER_ENVELOPE, cpu_peer_backend, cpu_peer_decode
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec, trtllm_args
-from mla_verify.reference import reference_decode
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, trtllm_args
+from mla_verify.problems.reference import reference_decode
+from mla_verify.run.harness import run_case
 
 BASE = ProblemSpec(seq_lens=(1, 40, 300, 17), q_len=1, num_heads=8, page_size=16, extra_pages=2, table_pad=1,
                    seed=3)
@@ -78,7 +78,7 @@ def test_harness_passes_the_peer(changes: dict, layout: LayoutSpec) -> None:
 def test_peer_is_not_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("the peer must not call the reference")
-    monkeypatch.setattr(mla_verify.reference, "reference_decode", forbidden)
+    monkeypatch.setattr(mla_verify.problems.reference, "reference_decode", forbidden)
     problem = build_problem(BASE)
     prepared = cpu_peer_backend().prepare(problem, LayoutSpec())
     out, lse = prepared.to_canonical(prepared.invoke())

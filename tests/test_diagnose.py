@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.diagnose import CATALOG, LSE_BASES, diagnose, relative_error
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import CaseResult, run_case
-from mla_verify.mutants import MUTANTS, correct_kernel
-from mla_verify.reference import reference_decode
+from mla_verify.judge.diagnose import CATALOG, LSE_BASES, diagnose, relative_error
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.reference import reference_decode
+from mla_verify.run.harness import CaseResult, run_case
 
 CATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is not None)
 UNCATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is None)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from mla_verify.dims import (
+from mla_verify.core.dims import (
     DEEPSEEK_V3,
     MLA_256,
     PRESETS,
@@ -13,7 +13,7 @@ from mla_verify.dims import (
     softmax_scale,
     yarn_mscale,
 )
-from mla_verify.generate import ProblemSpec
+from mla_verify.problems.generate import ProblemSpec
 
 
 def test_deepseek_v3_scale_is_one_over_sqrt_192_not_576() -> None:

@@ -3,13 +3,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_verify import engine
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
-from mla_verify.engine import verify
-from mla_verify.errors import UsageError
-from mla_verify.mutants import MUTANTS, correct_kernel
-from mla_verify.strategies import Budget, budget_for, cases, corner_cases
-from mla_verify.watchdog import GRACE_ENV
+from mla_verify.core.errors import UsageError
+from mla_verify.draw.strategies import Budget, budget_for, cases, corner_cases
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.run import engine
+from mla_verify.run.engine import verify
+from mla_verify.run.watchdog import GRACE_ENV
 
 NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8, 16), dtypes=("fp8",),
                                   q_len=(2, 3), cache_dims=(4,), page_strided=False, table_widths=("pad128",),

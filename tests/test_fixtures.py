@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify import fixtures
-from mla_verify.bits import same_bits
-from mla_verify.errors import FixtureError, UsageError
-from mla_verify.fixtures import fixture_paths, load_fixture, save_fixture
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec
+from mla_verify.core.bits import same_bits
+from mla_verify.core.errors import FixtureError, UsageError
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.records import fixtures
+from mla_verify.records.fixtures import fixture_paths, load_fixture, save_fixture
 
 SPECS = {
     "bf16": ProblemSpec(seq_lens=(5, 17), q_len=2, num_heads=3, page_size=16, extra_pages=2, table_pad=1, seed=3),
@@ -278,5 +278,5 @@ def test_a_hand_edited_field_is_refused_in_one_line(tmp_path, field, value, matc
 def test_every_spec_field_has_its_json_check():
     import dataclasses
 
-    from mla_verify import generate
+    from mla_verify.problems import generate
     assert set(generate._JSON_FIELDS) == {f.name for f in dataclasses.fields(ProblemSpec)}

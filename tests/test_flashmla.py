@@ -1,4 +1,4 @@
-"""The flashmla adapter on CPU, through a stand-in with FlashMLA's calling convention (mla_verify.flashmla_cpu).
+"""The flashmla adapter on CPU, through a stand-in with FlashMLA's calling convention (mla_verify.kernels.flashmla_cpu).
 
 1. A recorder in place of ``flash_mla``: the exact arguments -- the cache as a ``[blocks, 64, 1, 576]`` view of
    the pool (page-strided too), the table, ``cache_seqlens``, ``head_dim_v``, the scale always passed (FlashMLA's
@@ -22,11 +22,11 @@ import torch
 
 from mla_verify.backends import flashmla, get_backend
 from mla_verify.backends.flashmla import FlashMLAApi, FlashMLABackend
-from mla_verify.cli import main
-from mla_verify.flashmla_cpu import CPU_ENVELOPE, FlashMLAStandIn, SchedMeta, stand_in_backend
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec, padded_width
+from mla_verify.cli.main import main
+from mla_verify.kernels.flashmla_cpu import CPU_ENVELOPE, FlashMLAStandIn, SchedMeta, stand_in_backend
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, padded_width
+from mla_verify.run.harness import run_case
 
 SPEC = ProblemSpec(seq_lens=(5, 130, 64), q_len=1, num_heads=16, page_size=64, extra_pages=2, table_pad=1,
                    softmax_scale=0.1352, bmm2_extra=1.25, seed=9)

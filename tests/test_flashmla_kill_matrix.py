@@ -1,5 +1,5 @@
 """The kill matrix through the flashmla backend: each of the 23 mutants, behind FlashMLA's calling convention
-(mla_verify.flashmla_cpu), must fail ``verify(..., "premerge")`` on CPU -- so the backend's layout code (the
+(mla_verify.kernels.flashmla_cpu), must fail ``verify(..., "premerge")`` on CPU -- so the backend's layout code (the
 cache view, table, scale, causal flag, LSE transposition and base, bmm2 bridge) carries every fault to the
 harness instead of hiding it. The correct kernel behind the same convention must pass the same premerge run,
 or the kills would mean nothing.
@@ -16,9 +16,9 @@ Three changes to the envelope, all on CPU only, none touching the layout code un
 """
 import pytest
 
-from mla_verify.engine import verify
-from mla_verify.flashmla_cpu import CPU_ENVELOPE, stand_in_backend
-from mla_verify.mutants import MUTANTS, correct_kernel
+from mla_verify.kernels.flashmla_cpu import CPU_ENVELOPE, stand_in_backend
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.run.engine import verify
 
 ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096, max_batch=16)
 

@@ -8,11 +8,11 @@ import torch
 from oracles import naive_decode
 
 from mla_verify.backends import get_backend
-from mla_verify.compare import baseline_result, compare
-from mla_verify.fixtures import load_fixture
-from mla_verify.golden import GOLDEN
-from mla_verify.layouts import LayoutSpec
-from mla_verify.reference import ReferenceResult, reference_decode
+from mla_verify.judge.compare import baseline_result, compare
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.reference import ReferenceResult, reference_decode
+from mla_verify.records.fixtures import load_fixture
+from mla_verify.records.golden import GOLDEN
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
 # The reference recomputed in float64 on any CPU: only the summation order of the BLAS may differ.

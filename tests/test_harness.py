@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
-from mla_verify.metamorphic import TRANSFORMS
-from mla_verify.mutants import MUTANTS, correct_kernel
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.metamorphic import TRANSFORMS
+from mla_verify.run.harness import run_case
 
 SPEC = ProblemSpec((37, 64, 100), q_len=2, num_heads=4, page_size=32, seed=7)
 LAYOUT = LayoutSpec(cache_dims=4, page_stride_pad=3, table_width="pad128", return_lse=True)

@@ -1,4 +1,4 @@
-"""No import cycle among mla_verify's modules: data flows one way (docs/judging.md).
+"""No import cycle among mla_verify's modules, and each room (subpackage) imports only the rooms its docstring names.
 
 The imports are read from the sources, not executed: every ``import`` and ``from ... import`` a module names,
 at its top or inside a function (a lazy import is still a dependency), except under ``if TYPE_CHECKING:``
@@ -9,6 +9,7 @@ above it: a package's ``__init__`` that re-exports its modules would otherwise p
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mla_verify"
@@ -95,7 +96,7 @@ def import_graph(package: Path) -> dict[str, set[str]]:
 
 def test_mla_verify_has_no_import_cycle() -> None:
     graph = import_graph(PACKAGE)
-    assert "mla_verify.cli_args" in graph["mla_verify.bench"]  # the walk sees the package's real edges
+    assert "mla_verify.core.cli_args" in graph["mla_verify.bench.measure"]  # the walk sees the package's real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -124,3 +125,42 @@ def test_what_is_and_is_not_an_edge(tmp_path: Path) -> None:
     assert graph["pkg.a"] == set()  # annotations only
     assert graph["pkg.b"] == {"pkg.a", "pkg.sub.c"}
     assert find_cycle(graph) == ["pkg.b", "pkg.sub.c", "pkg.b"]
+
+
+ROOM_RULE = re.compile(r"May import: ([^.]*)\.")
+
+
+def room_of(module: str) -> str | None:
+    """``mla_verify.run.engine`` -> ``run``; a top-level module (``mla_verify.pytest_plugin``) has no room."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+
+
+def room_rules(package: Path) -> dict[str, set[str]]:
+    """Room -> the rooms its ``__init__`` docstring says it may import ("nothing else in mla_verify": none)."""
+    rules = {}
+    for init in sorted(package.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        found = ROOM_RULE.search(" ".join(doc.split()))
+        assert found, f"{init}: its docstring states no import rule ('May import: ...')"
+        named = {r.strip() for r in found.group(1).split(",")}
+        rules[init.parent.name] = set() if named == {"nothing else in mla_verify"} else named
+    return rules
+
+
+def test_every_room_states_its_rule_and_keeps_it() -> None:
+    rules = room_rules(PACKAGE)
+    assert {"core", "problems", "backends", "judge", "draw", "run", "records", "shadow", "cli"} <= set(rules)
+    for room, allowed in rules.items():
+        assert allowed <= set(rules), f"{room}'s rule names rooms that do not exist: {allowed - set(rules)}"
+    broken = [f"{a} imports {b}" for a, targets in import_graph(PACKAGE).items() for b in sorted(targets)
+              if (ra := room_of(a)) and ra != (rb := room_of(b)) and (rb is None or rb not in rules[ra])]
+    assert not broken, "imports against the rooms' rules:\n" + "\n".join(broken)
+
+
+def test_rooms_stay_small() -> None:
+    """A room of more than a dozen modules is two rooms (the issue that made the rooms asked for ~12)."""
+    sizes = {d.name: len([p for p in d.glob("*.py") if p.name not in ("__init__.py", "__main__.py")])
+             for d in PACKAGE.iterdir() if (d / "__init__.py").exists()}
+    assert max(sizes.values()) <= 12, sizes
+    assert len([p for p in PACKAGE.glob("*.py")]) <= 4  # __init__ and the pytest plugin's three modules

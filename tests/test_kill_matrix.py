@@ -6,10 +6,10 @@ import re
 import pytest
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.engine import verify
-from mla_verify.failure import failure_lines
-from mla_verify.harness import CaseResult
-from mla_verify.mutants import MUTANTS
+from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.records.failure import failure_lines
+from mla_verify.run.engine import verify
+from mla_verify.run.harness import CaseResult
 
 
 def shows_what_is_wrong(case: CaseResult) -> bool:

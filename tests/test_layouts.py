@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mla_verify.bits import same_bits
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import (
+from mla_verify.core.bits import same_bits
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import (
     LayoutSpec,
     canonical_cache,
     csr_metadata,
@@ -21,7 +21,7 @@ from mla_verify.layouts import (
     used_entries,
     wrapper_args,
 )
-from mla_verify.problem import DecodeProblem
+from mla_verify.problems.problem import DecodeProblem
 
 # lengths cover a single token, a partial last page, an exact page multiple and several pages
 SPEC = ProblemSpec(seq_lens=(1, 17, 32, 70), q_len=1, num_heads=4, page_size=16, extra_pages=3, table_pad=1,

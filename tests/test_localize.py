@@ -10,19 +10,19 @@ import pytest
 import torch
 from test_kill_matrix import shows_what_is_wrong
 
-from mla_verify import localize as localize_module
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.backends.user_kernel import load_kernel
-from mla_verify.diagnose import WHERE, diagnose, diagnose_safely, explained
-from mla_verify.engine import verify
-from mla_verify.failure import failure_lines
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import CaseResult, run_case
-from mla_verify.layouts import LayoutSpec
-from mla_verify.localize import localize
-from mla_verify.mutants import MUTANTS
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
+from mla_verify.judge import localize as localize_module
+from mla_verify.judge.diagnose import WHERE, diagnose, diagnose_safely, explained
+from mla_verify.judge.localize import localize
+from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
+from mla_verify.records.failure import failure_lines
+from mla_verify.run.engine import verify
+from mla_verify.run.harness import CaseResult, run_case
 
 SMALL = dict(kv_lora_rank=256, page_size=16)
 FAULTY = ("upper_heads_rescaled", "splits_capped", "empty_split_nan")

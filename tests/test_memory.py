@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_verify import harness, memory, metamorphic
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
-from mla_verify.engine import verify
-from mla_verify.errors import UsageError
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import SKIP_MEMORY, run_case
-from mla_verify.layouts import LayoutSpec
-from mla_verify.mutants import MUTANTS, correct_kernel
-from mla_verify.strategies import Budget
+from mla_verify.core import memory
+from mla_verify.core.errors import UsageError
+from mla_verify.draw.strategies import Budget
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.problems import metamorphic
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run import harness
+from mla_verify.run.engine import verify
+from mla_verify.run.harness import SKIP_MEMORY, run_case
 
 SPEC = ProblemSpec(seq_lens=(5, 40), q_len=2, num_heads=2, page_size=32, kv_lora_rank=256, seed=3)
 LAYOUT = LayoutSpec()
@@ -63,7 +65,7 @@ def test_other_kernel_errors_still_fail():
     (torch.OutOfMemoryError("no memory"), "diagnosis skipped: out of device memory"),
     (NotImplementedError('"roll_cuda" not implemented'), "diagnosis failed: ")])
 def test_diagnosis_errors_are_one_line_and_the_failure_stands(monkeypatch, error, line):
-    import mla_verify.diagnose as diagnose
+    import mla_verify.judge.diagnose as diagnose
 
     def broken(*args, **kwargs):
         raise error

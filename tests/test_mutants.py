@@ -10,10 +10,10 @@ import importlib
 import pytest
 
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
-from mla_verify.mutants import MUTANTS, Faults, FaultyKernel, correct_kernel
+from mla_verify.kernels.mutants import MUTANTS, Faults, FaultyKernel, correct_kernel
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run.harness import run_case
 
 # The bug classes the suite promises at least one mutant for (docs/mutants.md).
 REQUIRED_CLASSES = {"softmax scale", "layout", "length", "page size", "causal mask", "LSE", "out buffer",
@@ -55,7 +55,8 @@ def test_correct_kernel_passes_fp8_and_metamorphic_checks() -> None:
 
 def test_registry_is_complete_and_importable() -> None:
     assert REQUIRED_CLASSES <= {m.bug_class for m in MUTANTS.values()}
-    module = importlib.import_module("mla_verify.mutants")  # what `--kernel mla_verify.mutants:<name>` does
+    # what `--kernel mla_verify.kernels.mutants:<name>` does
+    module = importlib.import_module("mla_verify.kernels.mutants")
     for name, m in MUTANTS.items():
         assert getattr(module, name) is m.fn and m.fn.faults != Faults(), name
     assert module.correct_kernel.faults == Faults()

@@ -9,8 +9,9 @@ import pytest
 import torch
 from packaging.specifiers import SpecifierSet
 
-from mla_verify import cli, platform
-from mla_verify.platform import FLASHINFER_RANGE, flashinfer_range_note
+from mla_verify.cli import main as cli
+from mla_verify.core import platform
+from mla_verify.core.platform import FLASHINFER_RANGE, flashinfer_range_note
 
 ROOT = Path(__file__).resolve().parents[1]
 

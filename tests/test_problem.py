@@ -7,10 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from mla_verify.bits import same_bits
-from mla_verify.errors import ProblemError
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.problem import DecodeProblem
+from mla_verify.core.bits import same_bits
+from mla_verify.core.errors import ProblemError
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.problem import DecodeProblem
 
 PAGE = 16
 # lengths 5, 17, 33 use 1, 2 and 3 pages; two spare table columns hold out-of-range padding ids

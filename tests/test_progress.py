@@ -4,8 +4,8 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from mla_verify.generate import ProblemSpec
-from mla_verify.progress import Progress
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.run.progress import Progress
 
 
 def test_the_line_counts_against_the_total_and_names_a_running_case():

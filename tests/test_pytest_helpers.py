@@ -8,10 +8,10 @@ import pytest
 from cli_kernels import SMALL_ENVELOPE, WRONG_SCALE
 
 from mla_verify.backends.user_kernel import load_kernel
-from mla_verify.cli import main
-from mla_verify.engine import DEFAULT_SEED
-from mla_verify.profiles import get_profile
+from mla_verify.cli.main import main
+from mla_verify.draw.profiles import get_profile
 from mla_verify.pytest_helpers import Shard, verify_backend
+from mla_verify.run.engine import DEFAULT_SEED
 
 pytest_plugins = ["pytester"]
 QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")  # as in test_pytest_plugin.py
@@ -100,7 +100,7 @@ def test_shards_split_the_seeds_the_drawn_cases_and_the_corner_cases():
 
 
 def test_a_bad_profile_or_kernel_name_fails_the_test_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mla_verify.mutants import correct_kernel
+    from mla_verify.kernels.mutants import correct_kernel
     from mla_verify.pytest_helpers import verify_kernel
 
     with pytest.raises(pytest.fail.Exception) as bad_profile:

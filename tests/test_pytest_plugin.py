@@ -9,7 +9,7 @@ import torch
 from benchmark_tools import load_benchmark
 
 from mla_verify import pytest_plugin
-from mla_verify.workers import FAKE_GPU_ENV
+from mla_verify.run.workers import FAKE_GPU_ENV
 
 pytest_plugins = ["pytester"]
 
@@ -20,7 +20,7 @@ QUIET = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest")
 OPTIONS_CHECK = """
 import os
 from mla_verify.pytest_plugin import MLAOptions
-from mla_verify.workers import DeviceRequest
+from mla_verify.run.workers import DeviceRequest
 
 def test_options(mla_options):
     assert mla_options == {expected}
@@ -49,19 +49,19 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     clean_env.setenv("MLA_VERIFY_SEED", "7")  # env beats ini
     clean_env.setenv("MLA_VERIFY_FIXTURES_DIR", "from-env")
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
-    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.mutants:correct_kernel', "
+    expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.kernels.mutants:correct_kernel', "
                 "device=DeviceRequest('cpu'), profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
                 "fixtures_dir=os.path.join(os.getcwd(), 'from-env'))")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     # -k: only the options check, not the kernel tests --mla-kernel adds
-    pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
+    pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.kernels.mutants:correct_kernel", "--mla-device", "cpu",
                        "--mla-profile", "dev", "-k", "test_options").assert_outcomes(passed=1)
 
     clean_env.setenv("MLA_VERIFY_BACKEND", "trtllm-gen, fa3")  # a comma list in the env beats the ini lines
     for cli_backends, backends in [((), "('trtllm-gen', 'fa3')"),
                                    (("--mla-backend", "cutlass", "--mla-backend", "fa2"), "('cutlass', 'fa2')")]:
         pytester.makepyfile(OPTIONS_CHECK.format(expected=expected.replace("('fa2', 'fa3')", backends)))
-        pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.mutants:correct_kernel", "--mla-device", "cpu",
+        pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.kernels.mutants:correct_kernel", "--mla-device", "cpu",
                            "--mla-profile", "dev", "-k", "test_options", *cli_backends).assert_outcomes(passed=1)
 
 

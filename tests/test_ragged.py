@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from oracles import F64_TOL, naive_decode, row_rel_err
 
 from mla_verify.backends import all_backends, get_backend
-from mla_verify.compare import baseline_result, compare
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec, csr_metadata
-from mla_verify.metamorphic import transform
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
-from mla_verify.simplify import simplify
-from mla_verify.strategies import Case, budget_for, cases, corner_cases
+from mla_verify.draw.strategies import Case, budget_for, cases, corner_cases
+from mla_verify.judge.compare import baseline_result, compare
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, csr_metadata
+from mla_verify.problems.metamorphic import transform
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
+from mla_verify.run.simplify import simplify
 
 SPEC = ProblemSpec(seq_lens=(4, 17, 40, 33), q_len=4, q_lens=(1, 4, 2, 3), num_heads=3, page_size=16, extra_pages=2,
                    table_pad=1, seed=11)
@@ -140,7 +140,7 @@ def test_the_spec_keeps_its_q_lens_in_json_and_id_only_when_ragged() -> None:
 
 @pytest.mark.parametrize("q_lens,match", [((1, 5, 1, 1), "q_lens"), ((1, 2), "q_lens"), ((0, 1, 1, 1), "q_lens")])
 def test_malformed_q_lens_are_refused_naming_the_field(q_lens: tuple[int, ...], match: str) -> None:
-    from mla_verify.errors import ProblemError
+    from mla_verify.core.errors import ProblemError
 
     with pytest.raises(ProblemError, match=match):
         build_problem(replace(SPEC, q_lens=q_lens))
@@ -152,7 +152,7 @@ def _with_nan_padding(p: DecodeProblem, out: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["bmm2_missing", "scale_1_sqrt_576"])
 def test_a_known_misreading_is_named_on_a_ragged_problem_whatever_its_padding_rows_hold(name: str) -> None:
-    from mla_verify.diagnose import diagnose
+    from mla_verify.judge.diagnose import diagnose
 
     p = build_problem(replace(SPEC, bmm2_extra=2.0))
     ref = reference_decode(p)
@@ -162,7 +162,7 @@ def test_a_known_misreading_is_named_on_a_ragged_problem_whatever_its_padding_ro
 
 
 def test_localization_names_the_wrong_token_rows_and_no_padding_row() -> None:
-    from mla_verify.localize import localize
+    from mla_verify.judge.localize import localize
 
     p = build_problem(SPEC)
     ref = reference_decode(p)
@@ -175,7 +175,7 @@ def test_localization_names_the_wrong_token_rows_and_no_padding_row() -> None:
 
 def test_a_user_kernel_cannot_declare_ragged_problems() -> None:
     from mla_verify.backends.user_kernel import envelope_from_overrides
-    from mla_verify.errors import UsageError
+    from mla_verify.core.errors import UsageError
 
     assert envelope_from_overrides({"ragged_q": False}).ragged_q is False
     with pytest.raises(UsageError, match="ragged_q.*one q_len for every request"):
@@ -183,7 +183,7 @@ def test_a_user_kernel_cannot_declare_ragged_problems() -> None:
 
 
 def test_localization_counts_only_token_rows() -> None:
-    from mla_verify.localize import localize
+    from mla_verify.judge.localize import localize
 
     p = build_problem(SPEC)
     ref = reference_decode(p)

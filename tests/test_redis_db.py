@@ -12,8 +12,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from mla_verify.errors import UsageError
-from mla_verify.hypothesis_db import resolve_database
+from mla_verify.core.errors import UsageError
+from mla_verify.draw.hypothesis_db import resolve_database
 
 THRESHOLD = 1000
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from oracles import F64_TOL, naive_errors, row_rel_err, sdpa_decode
 
-from mla_verify import reference
-from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
-from mla_verify.selfcheck import absorbed_problem, unabsorbed_error
+from mla_verify.core.dims import R1_SOFTMAX_SCALE
+from mla_verify.judge.selfcheck import absorbed_problem, unabsorbed_error
+from mla_verify.problems import reference
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
 
 DIMS = (512, 256)  # kv_lora_rank of the two presets; qk_rope_head_dim is 64 for both
 PAGES = (1, 16, 32, 64)

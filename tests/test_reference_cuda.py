@@ -15,11 +15,11 @@ import torch
 from oracles import F64_TOL, row_rel_err  # float64 both sides; cuBLAS only sums in another order
 from test_reference import boundary_spec
 
-from mla_verify import reference
-from mla_verify.errors import UsageError
-from mla_verify.generate import build_problem
-from mla_verify.problem import DecodeProblem
-from mla_verify.reference import reference_decode
+from mla_verify.core.errors import UsageError
+from mla_verify.problems import reference
+from mla_verify.problems.generate import build_problem
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.problems.reference import reference_decode
 
 pytestmark = pytest.mark.gpu
 

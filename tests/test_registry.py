@@ -11,10 +11,10 @@ import torch
 import mla_verify.backends as registry
 from mla_verify.backends import ENTRY_POINT_GROUP, all_backends, builtin_backends, get_backend
 from mla_verify.backends.cpu_peer import cpu_peer_backend
-from mla_verify.errors import UsageError
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
+from mla_verify.core.errors import UsageError
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run.harness import run_case
 
 GPU_BACKENDS = ("trtllm-gen", "cute-dsl", "xqa", "fa2", "fa3", "fa-auto", "cutlass", "cutile", "flashinfer-swa")
 SPEC = ProblemSpec(seq_lens=(9, 40), num_heads=8, page_size=32, seed=1)
@@ -30,7 +30,7 @@ def test_builtins_are_every_flashinfer_path_and_the_cpu_peer() -> None:
 
 def test_listing_backends_never_imports_flashinfer() -> None:
     code = ("import sys, torch; from mla_verify.backends import all_backends; "
-            "from mla_verify.generate import ProblemSpec; from mla_verify.layouts import LayoutSpec; "
+            "from mla_verify.problems.generate import ProblemSpec; from mla_verify.problems.layouts import LayoutSpec; "
             "[b.why_not(ProblemSpec((5,)), LayoutSpec(), torch.device('cpu')) for b in all_backends().values()]; "
             "print('flashinfer' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -102,8 +102,8 @@ def test_a_bad_plugin_is_a_one_line_usage_error(monkeypatch: pytest.MonkeyPatch,
 
 def test_dims_outside_the_envelope_are_said_once() -> None:
     from mla_verify.backends.flashinfer_wrapper import WRAPPER_PATHS
-    from mla_verify.generate import ProblemSpec
-    from mla_verify.layouts import LayoutSpec
+    from mla_verify.problems.generate import ProblemSpec
+    from mla_verify.problems.layouts import LayoutSpec
 
     reason = WRAPPER_PATHS["fa2"].envelope.why_not(ProblemSpec((8,), kv_lora_rank=1024), LayoutSpec())
     assert reason is not None and reason.count("(1024, 64)") == 1, reason

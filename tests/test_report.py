@@ -7,13 +7,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from mla_verify.compare import ErrorStats
-from mla_verify.engine import EngineResult
-from mla_verify.errors import UsageError
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import CaseResult
-from mla_verify.layouts import LayoutSpec
-from mla_verify.report import (
+from mla_verify.core.errors import UsageError
+from mla_verify.judge.compare import ErrorStats
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.records.report import (
     build_report,
     check_report_path,
     load_report,
@@ -25,6 +23,8 @@ from mla_verify.report import (
     verdict_banner,
     write_report,
 )
+from mla_verify.run.engine import EngineResult
+from mla_verify.run.harness import CaseResult
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -193,7 +193,7 @@ def test_worst_cases_table_says_nonfinite_not_a_small_ratio(tmp_path):
 
 
 def _document_blocks(report, tmp_path):
-    from mla_verify.report import _document
+    from mla_verify.records.report import _document
     return _document(report, {"seq": "s.svg", "heads": "h.svg"}, {"seq": "", "heads": ""})
 
 
@@ -240,7 +240,7 @@ def test_one_resolved_case_is_one_case() -> None:
 
 
 def test_a_failed_backend_without_failure_lines_still_has_a_banner() -> None:
-    from mla_verify.report import verdict_banner
+    from mla_verify.records.report import verdict_banner
 
     # hand-edited or truncated reports: an empty failures list read as its first line was an IndexError
     report = {"backends": [{"name": "k", "verdict": "fail", "failure": {"failures": []}}]}

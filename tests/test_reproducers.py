@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.cli import main
-from mla_verify.fixtures import (
+from mla_verify.cli.main import main
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.records.fixtures import (
     DEFAULT_MAX_REPRODUCER_MIB,
     fixture_paths,
     kernel_output_records,
@@ -23,7 +24,6 @@ from mla_verify.fixtures import (
     tensor_record,
     write_reproducer,
 )
-from mla_verify.generate import ProblemSpec, build_problem
 
 TESTS = Path(__file__).resolve().parent
 LONG = 100_000  # the kernel below is wrong only past this many tokens; premerge's longest corner case has 131072

@@ -1,4 +1,4 @@
-"""Shadow mode's pre-call checks (mla_verify/shadow_contract.py) and its reading of a call as a problem
+"""Shadow mode's pre-call checks (mla_verify/shadow/contract.py) and its reading of a call as a problem
 (shadow_problem.py), on hand-made arguments: each finding fires on the mistake it names and on nothing else."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mla_verify.backends.cpu_peer import cpu_peer_decode
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec, trtllm_args
-from mla_verify.reference import reference_decode
-from mla_verify.shadow_contract import (
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, trtllm_args
+from mla_verify.problems.reference import reference_decode
+from mla_verify.shadow.contract import (
     ERROR,
     WARNING,
     KernelContract,
@@ -22,9 +22,9 @@ from mla_verify.shadow_contract import (
     check_lengths,
     check_scales,
 )
-from mla_verify.shadow_entries import LiveCall
-from mla_verify.shadow_judge import precheck
-from mla_verify.shadow_problem import compact, describing_spec, live_problem
+from mla_verify.shadow.entries import LiveCall
+from mla_verify.shadow.judge import precheck
+from mla_verify.shadow.problem import compact, describing_spec, live_problem
 
 SPEC = ProblemSpec(seq_lens=(37, 100, 5), num_heads=4, page_size=32, extra_pages=3, table_pad=1, seed=5)
 # DeepSeek-R1's softmax scale, written out: 1/sqrt(128 + 64) * (0.1 ln 40 + 1)^2

@@ -18,7 +18,7 @@ from engine_backend import TORCH_KERNELS, EngineBugs, MiniEngine
 from test_trtllm_contract import fake_sm100  # noqa: F401 - fixture: FlashInfer's function on CPU
 from test_wrapper_contract import fake_hopper  # noqa: F401 - fixture: FlashInfer's wrapper on CPU
 
-from mla_verify.bits import same_bits
+from mla_verify.core.bits import same_bits
 from mla_verify.shadow import ShadowError, shadow
 
 # prompts of 31, 63 and 5 tokens in 32-token blocks: the first step fills two blocks to the brim, the q_len-2 step

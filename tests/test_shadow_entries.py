@@ -15,15 +15,15 @@ import pytest
 import torch
 from test_wrapper_contract import fake_hopper  # noqa: F401 - fixture: FlashInfer's wrapper on CPU
 
-from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.flashmla_cpu import FlashMLAStandIn, SchedMeta
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec, trtllm_args, wrapper_args
-from mla_verify.mutants import correct_kernel, halves_swapped, lse_natural_log
+from mla_verify.core.dims import R1_SOFTMAX_SCALE
+from mla_verify.kernels.flashmla_cpu import FlashMLAStandIn, SchedMeta
+from mla_verify.kernels.mutants import correct_kernel, halves_swapped, lse_natural_log
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, trtllm_args, wrapper_args
 from mla_verify.shadow import ShadowError, shadow
-from mla_verify.shadow_contract import ERROR
-from mla_verify.shadow_entries import result_parts
-from mla_verify.shadow_wrapper import _csr_findings, joined_cache
+from mla_verify.shadow.contract import ERROR
+from mla_verify.shadow.entries import result_parts
+from mla_verify.shadow.wrapper import _csr_findings, joined_cache
 
 fi_decode = pytest.importorskip("flashinfer.decode")
 fi_core = pytest.importorskip("flashinfer.mla._core")
@@ -247,7 +247,7 @@ def test_csr_page_lists_shorter_than_the_lengths_are_blocking() -> None:
     assert _csr_findings(kv_indptr, torch.tensor([32, 64], dtype=torch.int32), 32) == []
 
 
-# --- FlashMLA (its calling convention on CPU, mla_verify.flashmla_cpu: the real one needs a GPU)
+# --- FlashMLA (its calling convention on CPU, mla_verify.kernels.flashmla_cpu: the real one needs a GPU)
 
 @pytest.fixture
 def flash_mla(monkeypatch: pytest.MonkeyPatch):

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_verify import cli
 from mla_verify.backends.trtllm_style import make_workspace
-from mla_verify.errors import UsageError
-from mla_verify.fixtures import load_fixture
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.mutants import correct_kernel, halves_swapped
+from mla_verify.cli import main as cli
+from mla_verify.core.errors import UsageError
+from mla_verify.kernels.mutants import correct_kernel, halves_swapped
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.records.fixtures import load_fixture
 from mla_verify.shadow import ShadowError, current_session, session_from_env, shadow
-from mla_verify.shadow_tally import Sampler
+from mla_verify.shadow.tally import Sampler
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,8 @@ def test_the_summary_counts_per_entry_point_and_site(tmp_path: Path) -> None:
     assert lines[0].startswith("mla-verify shadow (record, every call checked, no overhead budget): 2 calls")
     assert "1 mismatched" in lines[0]
     entries = [line.strip() for line in lines if line.startswith("  kernel ")]
-    assert entries == ["kernel mla_verify.mutants:correct_kernel", "kernel mla_verify.mutants:halves_swapped"]
+    assert entries == ["kernel mla_verify.kernels.mutants:correct_kernel",
+                       "kernel mla_verify.kernels.mutants:halves_swapped"]
     site_lines = [line for line in lines if "test_shadow_session.py:" in line]
     assert len(site_lines) == 2 and "0 mismatched" in site_lines[0] and "1 mismatched" in site_lines[1]
 
@@ -110,13 +111,13 @@ def test_a_reproducer_replays_with_the_cli(tmp_path: Path, capsys: pytest.Captur
         call(halves_swapped)
     path, = tmp_path.glob("*.json")
     fixture = load_fixture(path)
-    assert fixture.meta["kind"] == "shadow" and fixture.meta["backend"] == "mla_verify.mutants:halves_swapped"
+    assert fixture.meta["kind"] == "shadow" and fixture.meta["backend"] == "mla_verify.kernels.mutants:halves_swapped"
     assert "test_shadow_session.py:" in fixture.meta["call_site"]
     assert fixture.problem.num_pages == int(PROBLEM.pages_used().sum())  # only the pages the call read
     assert cli.main(["replay", str(path)]) == 1
     printed = capsys.readouterr().out
     assert "[cache_rope_first]" in printed and "bit-identical to the recorded run" in printed
-    assert cli.main(["replay", str(path), "--kernel", "mla_verify.mutants:correct_kernel"]) == 0
+    assert cli.main(["replay", str(path), "--kernel", "mla_verify.kernels.mutants:correct_kernel"]) == 0
 
 
 def test_a_cpu_reproducer_replays_with_its_recorded_thread_count(tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -155,7 +156,7 @@ def test_reproducers_are_capped(tmp_path: Path) -> None:
 def test_the_shadows_own_failure_never_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the shadow")
-    monkeypatch.setattr("mla_verify.shadow.judge", broken)
+    monkeypatch.setattr("mla_verify.shadow.session.judge", broken)
     plain = call(halves_swapped)
     with session("strict") as s:
         seen = call(halves_swapped)
@@ -188,7 +189,7 @@ def test_a_kernel_no_module_binds_is_said_to_be_unseen() -> None:
 def test_a_kernel_given_as_a_file_path_is_shadowed(tmp_path: Path) -> None:
     # a file is imported under a module name of its own (user_kernel.load_kernel), not its path
     path = tmp_path / "my_kernels.py"
-    path.write_text("from mla_verify.mutants import halves_swapped\n")
+    path.write_text("from mla_verify.kernels.mutants import halves_swapped\n")
     with session("record", kernels=[f"{path}:halves_swapped"]) as s:
         pass
     assert len(s.kernels) == 1
@@ -200,7 +201,7 @@ def test_the_environment_turns_it_on() -> None:
     assert session_from_env({}) is None and session_from_env({"MLA_VERIFY_SHADOW": "0"}) is None
     s = session_from_env({"MLA_VERIFY_SHADOW": "record", "MLA_VERIFY_SHADOW_EVERY": "4",
                           "MLA_VERIFY_SHADOW_BUDGET": "2.5",
-                          "MLA_VERIFY_SHADOW_KERNEL": "mla_verify.mutants:correct_kernel"})
+                          "MLA_VERIFY_SHADOW_KERNEL": "mla_verify.kernels.mutants:correct_kernel"})
     assert (s.mode, s.sampler.every, s.sampler.budget, len(s.kernels)) == ("record", 4, 2.5, 1)
     assert session_from_env({"MLA_VERIFY_SHADOW": "1"}).mode == "strict"
     for bad in ({"MLA_VERIFY_SHADOW": "yes"}, {"MLA_VERIFY_SHADOW": "1", "MLA_VERIFY_SHADOW_EVERY": "0"},
@@ -211,8 +212,8 @@ def test_the_environment_turns_it_on() -> None:
 
 SCRIPT = """
 import torch
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.mutants import halves_swapped as kernel
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.kernels.mutants import halves_swapped as kernel
 p = build_problem(ProblemSpec((37, 100), num_heads=4, page_size=32, seed=3))
 kernel(p.query, p.kv_cache, None, 128, 512, 64, p.block_table, p.seq_lens, 100, bmm1_scale=p.bmm1_scale)
 print("engine done")
@@ -225,7 +226,7 @@ def test_python_dash_m_runs_a_script_under_shadow_mode(tmp_path: Path) -> None:
     script = tmp_path / "engine.py"
     script.write_text(SCRIPT)
     for mode, status in (("record", 0), ("strict", 1)):
-        env.update(MLA_VERIFY_SHADOW=mode, MLA_VERIFY_SHADOW_KERNEL="mla_verify.mutants:halves_swapped")
+        env.update(MLA_VERIFY_SHADOW=mode, MLA_VERIFY_SHADOW_KERNEL="mla_verify.kernels.mutants:halves_swapped")
         run = subprocess.run([sys.executable, "-m", "mla_verify.shadow", str(script)], capture_output=True,
                              text=True, env=env, cwd=tmp_path)
         assert run.returncode == status, run.stderr
@@ -240,8 +241,8 @@ def test_python_dash_m_runs_a_script_under_shadow_mode(tmp_path: Path) -> None:
 
 
 ENGINE_TEST = """
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.mutants import halves_swapped
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.kernels.mutants import halves_swapped
 
 def test_attention():
     p = build_problem(ProblemSpec((37, 100), num_heads=4, page_size=32, seed=3))
@@ -260,7 +261,7 @@ def engine_suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_pytest_option_strict_fails_the_test_at_the_bad_call(engine_suite: pytest.Pytester) -> None:
     result = engine_suite.runpytest(*QUIET, "--mla-shadow", "strict", "--mla-shadow-kernel",
-                                               "mla_verify.mutants:halves_swapped")
+                                               "mla_verify.kernels.mutants:halves_swapped")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ShadowError: mla-verify shadow: MISMATCH at test_shadowed_engine.py:6*",
                                  "*mla-verify shadow (strict*1 mismatched*"])
@@ -269,7 +270,7 @@ def test_pytest_option_strict_fails_the_test_at_the_bad_call(engine_suite: pytes
 def test_pytest_environment_and_ini_record_mode(engine_suite: pytest.Pytester,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLA_VERIFY_SHADOW", "record")
-    engine_suite.makeini("[pytest]\nmla_shadow_kernel =\n    mla_verify.mutants:halves_swapped\n")
+    engine_suite.makeini("[pytest]\nmla_shadow_kernel =\n    mla_verify.kernels.mutants:halves_swapped\n")
     result = engine_suite.runpytest(*QUIET)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*mla-verify shadow (record*", "*test_shadowed_engine.py:6: 1 calls*1 mismatched*",
@@ -278,7 +279,7 @@ def test_pytest_environment_and_ini_record_mode(engine_suite: pytest.Pytester,
 
 
 def test_pytest_without_the_option_shadows_nothing(engine_suite: pytest.Pytester) -> None:
-    result = engine_suite.runpytest(*QUIET, "--mla-shadow-kernel", "mla_verify.mutants:halves_swapped")
+    result = engine_suite.runpytest(*QUIET, "--mla-shadow-kernel", "mla_verify.kernels.mutants:halves_swapped")
     result.assert_outcomes(passed=1)
     assert "mla-verify shadow" not in result.stdout.str()
 
@@ -286,8 +287,8 @@ def test_pytest_without_the_option_shadows_nothing(engine_suite: pytest.Pytester
 def test_xdist_workers_counts_and_reports_reach_the_controller(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from mla_verify import shadow_pytest
-    from mla_verify.shadow_tally import Tally
+    from mla_verify import pytest_shadow as shadow_pytest
+    from mla_verify.shadow.tally import Tally
 
     with session(fixtures_dir=tmp_path) as worker:  # what one worker saw
         call(correct_kernel)

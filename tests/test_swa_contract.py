@@ -17,11 +17,11 @@ from oracles import sdpa_decode
 
 from mla_verify.backends import flashinfer_swa, get_backend
 from mla_verify.backends.flashinfer_swa import SWA_ENVELOPE, SWA_WINDOW, FlashInferSwaBackend
-from mla_verify.dims import MLADims
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec, padded_width
-from mla_verify.problem import DecodeProblem
+from mla_verify.core.dims import MLADims
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, padded_width
+from mla_verify.problems.problem import DecodeProblem
+from mla_verify.run.harness import run_case
 
 fi_mla = pytest.importorskip("flashinfer.mla")
 swa = pytest.importorskip("flashinfer.mla._swa")

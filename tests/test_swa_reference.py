@@ -15,12 +15,12 @@ import torch
 from oracles import F64_TOL, naive_decode, naive_errors, row_rel_err, sdpa_decode
 
 from mla_verify.backends.base import Envelope
-from mla_verify.errors import ProblemError
-from mla_verify.fixtures import load_fixture, save_fixture
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.layouts import LayoutSpec
-from mla_verify.reference import reference_decode
-from mla_verify.selfcheck import absorbed_problem, unabsorbed_error
+from mla_verify.core.errors import ProblemError
+from mla_verify.judge.selfcheck import absorbed_problem, unabsorbed_error
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.reference import reference_decode
+from mla_verify.records.fixtures import load_fixture, save_fixture
 
 PAGE = 16
 LENS = (1, 5, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 2, 70)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_verify.watchdog import GRACE_ENV
+from mla_verify.run.watchdog import GRACE_ENV
 
 TESTS = Path(__file__).resolve().parent
 
@@ -91,7 +91,7 @@ def test_a_running_case_is_named_while_it_runs(tmp_path):
 
 @pytest.mark.parametrize("grace", ["soon", "-1", "nan"])
 def test_a_malformed_watchdog_grace_is_a_usage_error_before_any_case(grace, tmp_path):
-    done, _ = check("--kernel", "mla_verify.mutants:correct_kernel", "--fixtures-dir", str(tmp_path),
+    done, _ = check("--kernel", "mla_verify.kernels.mutants:correct_kernel", "--fixtures-dir", str(tmp_path),
                     env={GRACE_ENV: grace}, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [

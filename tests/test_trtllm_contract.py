@@ -22,10 +22,10 @@ import torch
 from mla_verify.backends import flashinfer_trtllm, get_backend
 from mla_verify.backends.cpu_peer import CPU_PEER_ENVELOPE, cpu_peer_decode
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend, make_workspace
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec, padded_width
-from mla_verify.reference import reference_decode
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, padded_width
+from mla_verify.problems.reference import reference_decode
+from mla_verify.run.harness import run_case
 
 fi_decode = pytest.importorskip("flashinfer.decode")
 fi_core = pytest.importorskip("flashinfer.mla._core")

@@ -10,10 +10,10 @@ import pytest
 from mla_verify.backends.base import Envelope
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE
 from mla_verify.backends.user_kernel import _FIELDS, envelope_from_overrides, load_kernel
-from mla_verify.errors import UsageError
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
+from mla_verify.core.errors import UsageError
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run.harness import run_case
 
 KERNELS = '''
 from mla_verify.backends.cpu_peer import cpu_peer_decode

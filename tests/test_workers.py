@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mla_verify.errors import UsageError
-from mla_verify.workers import (
+from mla_verify.core.errors import UsageError
+from mla_verify.run.workers import (
     FAKE_GPU_ENV,
     DeviceRequest,
     SlotTable,

@@ -16,11 +16,11 @@ import torch
 from mla_verify.backends import get_backend
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.backends.flashinfer_wrapper import FlashInferWrapperBackend
-from mla_verify.fixtures import DEFAULT_MAX_REPRODUCER_MIB, load_fixture, write_reproducer
-from mla_verify.generate import ProblemSpec, build_problem
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec, csr_to_block_table
-from mla_verify.problem import FP8
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec, csr_to_block_table
+from mla_verify.problems.problem import FP8
+from mla_verify.records.fixtures import DEFAULT_MAX_REPRODUCER_MIB, load_fixture, write_reproducer
+from mla_verify.run.harness import run_case
 
 fa_common = pytest.importorskip("flashinfer.mla._batch_mla._backends._fa_common")
 fa2_module = pytest.importorskip("flashinfer.mla._batch_mla._backends.fa2_backend")
@@ -311,7 +311,7 @@ def test_a_ragged_reproducer_replays_to_the_same_verdict(monkeypatch: pytest.Mon
 
 
 def test_premerge_catches_that_kernel_and_keeps_the_failure_ragged(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mla_verify.engine import verify
+    from mla_verify.run.engine import verify
 
     _install(monkeypatch, IgnoresQLens())
     failure = verify(_on_cpu("fa3"), "cpu", profile="premerge", max_examples=40).failure

@@ -8,13 +8,15 @@ pyproject.toml::
 
 Listing backends never imports FlashInfer or FlashMLA (that happens when such a backend is asked about a CUDA
 device or prepared), so the registry works on a CPU-only machine.
+
+May import: core, problems. (tests/test_imports.py holds this rule.)
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .base import Backend, Envelope, PreparedCall
 
 ENTRY_POINT_GROUP = "mla_verify.backends"

@@ -8,91 +8,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..generate import ProblemSpec
-from ..layouts import LayoutSpec
-from ..problem import DecodeProblem
+from ..problems.envelope import ENVELOPE_PREFIX, LSE_BASE_2, Envelope
+from ..problems.generate import ProblemSpec
+from ..problems.layouts import LayoutSpec
+from ..problems.problem import DecodeProblem
 
-LSE_BASE_2 = 2.0
-ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sentence
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """The problems a backend claims to handle. ``None`` in a field means "any"."""
-
-    devices: tuple[str, ...] = ("cuda",)  # device types: "cpu", "cuda"
-    archs: tuple[tuple[int, int], ...] | None = None  # CUDA compute capabilities, e.g. ((10, 0), (10, 3))
-    page_sizes: tuple[int, ...] | None = None
-    dims: tuple[tuple[int, int], ...] = ((512, 64),)  # (kv_lora_rank, qk_rope_head_dim)
-    # dtypes limited to a subset of ``dims`` (e.g. FlashInfer's FA paths take an fp8 cache only with (512, 64))
-    dims_by_dtype: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
-    heads: tuple[int, ...] | None = None  # allowed head counts (None: 1..max_heads)
-    max_heads: int = 128
-    dtypes: tuple[str, ...] = ("bf16",)
-    q_len: tuple[int, int] = (1, 1)  # inclusive range
-    q_lens: tuple[int, ...] | None = None  # the only q_len values taken within that range (None: all of them)
-    batch_sizes: tuple[int, ...] | None = None  # the only batch sizes taken (None: 1..max_batch)
-    # per-request query lengths (ProblemSpec.q_lens): only a kernel told each request's own q_len takes them
-    # (FlashInfer's wrapper, through qo_indptr); Contract 1's callable has one q_len for the whole batch
-    ragged_q: bool = False
-    windows: tuple[int | None, ...] = (None,)  # sliding windows (window_left) taken; None: plain causal
-    cache_dims: tuple[int, ...] = (3,)
-    page_strided: bool = True
-    table_widths: tuple[str, ...] = ("native",)
-    pass_out: tuple[bool, ...] = (True, False)
-    lse: bool = True
-    lse_base: float = LSE_BASE_2
-    max_batch: int = 1024
-    max_seq_len: int = 1 << 17
-    notes: str = ""
-
-    def dims_for(self, dtype: str) -> tuple[tuple[int, int], ...]:
-        """The (kv_lora_rank, qk_rope_head_dim) pairs this envelope takes with ``dtype``."""
-        limited = dict(self.dims_by_dtype).get(dtype)
-        return self.dims if limited is None else tuple(d for d in self.dims if d in limited)
-
-    def allows_heads(self, h: int) -> bool:
-        return (h in self.heads) if self.heads is not None else 1 <= h <= self.max_heads
-
-    def why_not(self, spec: ProblemSpec, layout: LayoutSpec) -> str | None:
-        """A sentence saying why (spec, layout) is outside this envelope, or None."""
-        checks = [
-            (self.page_sizes is None or spec.page_size in self.page_sizes,
-             f"page size {spec.page_size} (supported: {self.page_sizes})"),
-            ((spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims,
-             f"dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) (supported: {list(self.dims)})"),
-            (self.allows_heads(spec.num_heads), f"{spec.num_heads} heads"),
-            (spec.dtype in self.dtypes, f"dtype {spec.dtype} (supported: {list(self.dtypes)})"),
-            ((spec.kv_lora_rank, spec.qk_rope_head_dim) not in self.dims  # said once, above
-             or (spec.kv_lora_rank, spec.qk_rope_head_dim) in self.dims_for(spec.dtype),
-             f"{spec.dtype} with dims ({spec.kv_lora_rank}, {spec.qk_rope_head_dim}) "
-             f"(supported: {list(self.dims_for(spec.dtype))})"),
-            (self.q_len[0] <= spec.q_len <= self.q_len[1],
-             f"q_len {spec.q_len} (supported {self.q_len[0]}..{self.q_len[1]})"),
-            (self.q_lens is None or spec.q_len in self.q_lens, f"q_len {spec.q_len} (supported: {self.q_lens})"),
-            (self.ragged_q or spec.q_lens is None,
-             f"per-request q_lens {list(spec.q_lens or ())} (this kernel takes one q_len for every request)"),
-            (self.batch_sizes is None or spec.batch in self.batch_sizes,
-             f"batch {spec.batch} (supported: {self.batch_sizes})"),
-            (spec.window_left in self.windows, f"window_left {spec.window_left} (supported: {list(self.windows)})"),
-            (layout.cache_dims in self.cache_dims, f"a {layout.cache_dims}-D cache"),
-            (self.page_strided or layout.page_stride_pad == 0, "a page-strided cache"),
-            (layout.table_width in self.table_widths, f"block-table width '{layout.table_width}'"),
-            (layout.pass_out in self.pass_out, "out passed" if layout.pass_out else "out not passed"),
-            (self.lse or not layout.return_lse, "returning LSE"),
-            (spec.batch <= self.max_batch, f"batch {spec.batch} (max {self.max_batch})"),
-            (max(spec.seq_lens) <= self.max_seq_len, f"seq_len {max(spec.seq_lens)} (max {self.max_seq_len})"),
-        ]
-        bad = [what for ok, what in checks if not ok]
-        return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None
-
-    def narrowed(self, **changes: Any) -> Envelope:
-        return replace(self, **changes)
+__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "device_reason"]
 
 
 @dataclass

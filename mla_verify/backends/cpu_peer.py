@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..layouts import canonical_cache
+from ..problems.layouts import canonical_cache
 from .base import LSE_BASE_2, Envelope
 from .trtllm_style import TrtllmStyleBackend
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..generate import ProblemSpec
-from ..layouts import LayoutSpec, trtllm_args
-from ..platform import flashinfer_unavailable, flashinfer_version
-from ..problem import DecodeProblem
+from ..core.platform import flashinfer_unavailable, flashinfer_version
+from ..problems.generate import ProblemSpec
+from ..problems.layouts import LayoutSpec, trtllm_args
+from ..problems.problem import DecodeProblem
 from .base import Backend, Envelope, PreparedCall
 
 SWA_FUNCTION = "batch_decode_with_kv_cache_mla_swa"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..platform import flashinfer_unavailable
+from ..core.platform import flashinfer_unavailable
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
 BLACKWELL_DC = ((10, 0), (10, 3), (10, 7))  # SM100 / SM103 / SM107: the archs trtllm-gen's FmhaRunner accepts

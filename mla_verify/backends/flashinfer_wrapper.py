@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 import torch
 
-from ..generate import DTYPES, ProblemSpec
-from ..layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
-from ..platform import flashinfer_unavailable
-from ..problem import FP8, DecodeProblem
+from ..core.platform import flashinfer_unavailable
+from ..problems.generate import DTYPES, ProblemSpec
+from ..problems.layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
+from ..problems.problem import FP8, DecodeProblem
 from .base import Backend, Envelope, PreparedCall
 from .flashinfer_trtllm import BLACKWELL_DC, SM12X
 

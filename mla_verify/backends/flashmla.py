@@ -17,7 +17,7 @@ Read from FlashMLA's public source at commit 9241ae3 (2026-04-29): ``flash_mla/f
   h_k)``. The backend passes those arguments, so both interfaces get what they expect.
 
 The two callables are injected (``FlashMLAApi``): the real ``flash_mla`` functions by default, or a stand-in
-with FlashMLA's calling convention (``mla_verify.flashmla_cpu``), which is how the layout code above is
+with FlashMLA's calling convention (``mla_verify.kernels.flashmla_cpu``), which is how the layout code above is
 proven on CPU.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import LayoutSpec, trtllm_args
-from ..platform import import_error
-from ..problem import DecodeProblem
+from ..core.platform import import_error
+from ..problems.layouts import LayoutSpec, trtllm_args
+from ..problems.problem import DecodeProblem
 from .base import Backend, Envelope, PreparedCall, device_reason
 
 FLASHMLA_SOURCE = "https://github.com/deepseek-ai/FlashMLA"

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..layouts import LayoutSpec, trtllm_args
-from ..problem import DecodeProblem
+from ..problems.layouts import LayoutSpec, trtllm_args
+from ..problems.problem import DecodeProblem
 from .base import LSE_BASE_2, Backend, Envelope, PreparedCall
 
 # trtllm-gen's documented envelope (FlashInfer 0.7.x), the default for any kernel with this convention.

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..errors import UsageError
-from ..generate import DTYPES
-from ..layouts import CACHE_DIMS, TABLE_WIDTHS
-from ..tracebacks import exception_line
+from ..core.errors import UsageError
+from ..core.tracebacks import exception_line
+from ..problems.generate import DTYPES
+from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
 from .base import Envelope
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 

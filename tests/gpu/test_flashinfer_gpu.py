@@ -21,12 +21,12 @@ import torch
 
 from mla_verify.backends import get_backend
 from mla_verify.backends.base import Backend
-from mla_verify.engine import EngineResult, verify
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import CaseResult, run_case
-from mla_verify.layouts import LayoutSpec
-from mla_verify.platform import platform_info
-from mla_verify.report import resolutions
+from mla_verify.core.platform import platform_info
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.records.report import resolutions
+from mla_verify.run.engine import EngineResult, verify
+from mla_verify.run.harness import CaseResult, run_case
 
 pytestmark = pytest.mark.gpu
 

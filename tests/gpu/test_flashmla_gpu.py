@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_flashinfer_gpu import MIN_PASS, _cuda, _runnable, acceptance_run
 
-from mla_verify.dims import R1_SOFTMAX_SCALE
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
+from mla_verify.core.dims import R1_SOFTMAX_SCALE
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run.harness import run_case
 
 pytestmark = pytest.mark.gpu
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mla_verify.backends import get_backend
-from mla_verify.platform import platform_info
+from mla_verify.core.platform import platform_info
 from mla_verify.shadow import ShadowError, shadow
 
 pytestmark = pytest.mark.gpu

@@ -16,9 +16,9 @@ import pytest
 from test_flashinfer_gpu import MIN_PASS, _cuda, _runnable, acceptance_run
 
 from mla_verify.backends.flashinfer_swa import SWA_ENVELOPE, SWA_WINDOW
-from mla_verify.generate import ProblemSpec
-from mla_verify.harness import run_case
-from mla_verify.layouts import LayoutSpec
+from mla_verify.problems.generate import ProblemSpec
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.run.harness import run_case
 
 pytestmark = pytest.mark.gpu
 

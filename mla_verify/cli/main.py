@@ -1,0 +1,428 @@
+"""The ``mla-verify`` command (docs/contracts.md, Contract 2).
+
+Exit codes: 0 every case passed; 1 a discrepancy was found (the shrunk case, its diagnosis and a reproducer
+fixture are printed); 2 bad usage, bad configuration or an unreadable fixture -- one line on stderr, no
+traceback. Everything a run needs is validated before the first case runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.cli_args import (
+    EXIT_DISCREPANCY,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    OneLineParser,
+    non_negative_int,
+    parse_device,
+    positive_int,
+    positive_minutes,
+    positive_seconds,
+    run_command,
+)
+from ..core.errors import UsageError
+from ..run.engine import DEFAULT_KERNEL_SECONDS
+
+
+# ---------------------------------------------------------------- the parser
+def build_parser() -> argparse.ArgumentParser:
+    from ..bench.measure import add_bench_arguments, bench_command
+    from ..draw.profiles import PROFILES
+    from ..records.failure import DEFAULT_FIXTURES_DIR
+    from ..records.fixtures import DEFAULT_MAX_REPRODUCER_MIB
+
+    parser = OneLineParser(prog="mla-verify", description="Verify MLA decode kernels against a pure-PyTorch reference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    check = sub.add_parser("check", help="verify kernels on problems drawn by Hypothesis",
+                           description="Verify kernels. Exit 0: all passed; 1: a discrepancy; 2: bad usage.")
+    which = check.add_mutually_exclusive_group()
+    which.add_argument("--kernel", action="append", metavar="MODULE:ATTR",
+                       help="a trtllm-style callable to verify, MODULE:ATTR or path/to/file.py:ATTR (repeatable)")
+    which.add_argument("--backend", action="append", metavar="NAME",
+                       help="a registered backend to verify (repeatable; see list-backends)")
+    _device_argument(check, "cpu")
+    check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
+                       help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
+    check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
+    check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
+    check.add_argument("--minutes", type=positive_minutes, metavar="M",
+                       help="end each backend's run after M minutes (plus at most the case in progress)")
+    check.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
+                       help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
+    check.add_argument("--report", metavar="PATH",
+                       help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
+    check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
+                       help="example database shared between runs (fuzz profile)")
+    check.add_argument("--fixtures-dir", type=Path, default=DEFAULT_FIXTURES_DIR, metavar="DIR",
+                       help="where reproducers of failures go (default: %(default)s, under the current directory)")
+    check.add_argument("--max-reproducer-mib", type=non_negative_int, default=DEFAULT_MAX_REPRODUCER_MIB,
+                       metavar="MIB", help="cap on a reproducer's two files, in MiB: the kernel's output, and a "
+                       "problem its spec cannot rebuild, are stored only within it (default: %(default)s)")
+    check.set_defaults(func=cmd_check)
+
+    replay = sub.add_parser("replay", help="re-run a reproducer fixture against the reference and its backend")
+    replay.add_argument("fixture", metavar="FIXTURE", help="the fixture's .json (or .safetensors, or their stem)")
+    which = replay.add_mutually_exclusive_group()
+    which.add_argument("--kernel", metavar="MODULE:ATTR",
+                       help="run this callable (MODULE:ATTR or path/to/file.py:ATTR) instead of the recorded one")
+    which.add_argument("--backend", metavar="NAME", help="run this backend instead of the recorded one")
+    _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
+    replay.set_defaults(func=cmd_replay)
+
+    report = sub.add_parser("report", help="re-render the Markdown/HTML/JUnit/SVG of a JSON report")
+    report.add_argument("json", metavar="JSON", help="a report written by check --report")
+    report.set_defaults(func=cmd_report)
+
+    doctor = sub.add_parser("doctor", help="GPUs, library versions, and which backends can run here")
+    doctor.set_defaults(func=cmd_doctor)
+
+    listing = sub.add_parser("list-backends", help="every backend, its envelope, and whether it can run here")
+    _device_argument(listing, None, "default: cuda if available, else cpu")
+    listing.set_defaults(func=cmd_list_backends)
+
+    bench = sub.add_parser("bench", help="latency, bandwidth and roofline of every runnable backend")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=bench_command)
+    return parser
+
+
+def _device_argument(parser: argparse.ArgumentParser, default: str | None, extra: str = "") -> None:
+    parser.add_argument("--device", type=parse_device, default=default, metavar="cpu|cuda|cuda:N",
+                        help=f"where kernels run ({extra or 'default: %(default)s'})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help / --version (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    ns.command_line = shlex.join(["mla-verify", *(sys.argv[1:] if argv is None else argv)])
+    return run_command(ns)
+
+
+def _version() -> str:
+    from ..core.platform import VERSION
+
+    return VERSION
+
+
+# ---------------------------------------------------------------- check
+def cpu_run_settings(threads: int = 1) -> None:
+    """How `check` and `replay` run torch on CPU, unless the environment says otherwise (docs/verified.md):
+    ``threads`` torch threads (replay: the recorded run's count) unless OMP_NUM_THREADS is set."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
+        # waits for the thread that is not scheduled
+        torch.set_num_threads(threads)
+    # torch's CPU allocator then backs each tensor of 2 MiB or more with huge pages. A case's large tensors are
+    # mapped afresh, and with 4 KiB pages the page faults were half of a CPU premerge run. Blocks are handed
+    # out and reused as before, so the poison priming of harness._invoke is unchanged. torch reads the
+    # variable at its first allocation, which no case has made yet.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def cmd_check(ns: argparse.Namespace) -> int:
+    from ..draw.hypothesis_db import resolve_database
+    from ..draw.profiles import get_profile
+    from ..judge.selfcheck import reference_selfcheck
+    from ..records.failure import failure_lines, save_reproducer
+    from ..records.fixtures import check_writable_dir
+    from ..records.report import (
+        build_report,
+        check_report_path,
+        distinct_cases,
+        resolution_line,
+        resolutions,
+        write_report,
+    )
+    from ..run import stage_times, watchdog
+    from ..run.engine import verify
+    from ..run.progress import Progress
+
+    # Everything that can be wrong with the command is found here, before the first case.
+    device: torch.device = ns.device
+    if device.type == "cpu":
+        cpu_run_settings()
+    profile = get_profile(ns.profile)
+    report_path = check_report_path(ns.report) if ns.report else None
+    database = resolve_database(ns.hypothesis_db)
+    if database is not None and profile.deterministic:
+        print(f"note: --hypothesis-db is not used by the {profile.name} profile (it must not depend on what "
+              "earlier runs found); the fuzz profile uses it", file=sys.stderr)
+    check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
+    watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
+    backends = _select_backends(ns.kernel, ns.backend, device)
+
+    started = time.monotonic()
+    selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
+    print(f"reference self-check: {selfcheck.describe()}", flush=True)
+    results = []
+    for backend, reason in backends:
+        if reason is not None:
+            print(f"skipped {backend.name}: {reason}", flush=True)
+    for backend, reason in backends:
+        if reason is not None:
+            results.append(verify(backend, device, profile))  # records the backend as unavailable
+            continue
+        with Progress(backend.name, ns.minutes or profile.minutes, _planned_cases(backend, device, profile,
+                                                                                   ns.max_examples)) as progress:
+            result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
+                            minutes=ns.minutes, database=database, on_case=progress.update,
+                            on_start=progress.start, kernel_seconds=ns.case_timeout)
+        print(_summary_line(result), flush=True)
+        if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
+            print(f"  {resolution_line(result.backend, resolved)}", flush=True)
+        print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
+        results.append(result)
+        if result.interrupted:
+            print(f"interrupted: the report holds the cases judged until then; "
+                  f"{len(backends) - len(results)} backend(s) not run", flush=True)
+            break
+
+    fixtures = {}
+    for r in results:
+        if r.failure is not None and r.failure.problem is not None:
+            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib)
+            if saved is not None:
+                fixtures[r.backend] = str(saved)
+    for r in results:
+        if r.failure is not None:
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
+    if report_path is not None:
+        run = {"command": ns.command_line,
+               "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
+               "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2),
+               "interrupted": any(r.interrupted for r in results),
+               "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
+        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
+        print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
+    failed = not selfcheck.ok or any(r.failure is not None for r in results)
+    ran = sum(r.unavailable is None for r in results)
+    if not ran and not failed:
+        print("no backend could run here: only the reference self-check ran")
+    if any(r.interrupted for r in results):
+        return EXIT_INTERRUPTED
+    return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None) -> int | None:
+    """How many cases a bounded profile runs at most (corner cases and drawn ones); None for fuzzing."""
+    from ..draw.strategies import budget_for, corner_cases
+
+    if profile.minutes is not None:
+        return None
+    corners = len(corner_cases(backend.envelope, budget_for(device))) if profile.corner_cases else 0
+    return corners + (max_examples or profile.max_examples)
+
+
+def _select_backends(kernels: list[str] | None, names: list[str] | None,
+                     device: torch.device) -> list[tuple[Any, str | None]]:
+    """(backend, why it cannot run here or None). A backend the user named must be able to run."""
+    from ..backends import requested_backends
+
+    chosen = [(b, b.unavailable_reason(device)) for b in requested_backends(names, kernels)]
+    for b, reason in chosen:
+        if reason is not None and (kernels or names):
+            raise UsageError(f"{b.name} cannot run on {device}: {reason}")
+    return chosen
+
+
+def _summary_line(result: Any) -> str:
+    from ..records.report import count_verdicts, distinct_cases
+    from ..run.harness import SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY
+
+    distinct = distinct_cases(result)
+    counts = count_verdicts(c.verdict for c in distinct)
+    kinds = Counter(c.skip_kind for c in distinct if c.verdict == "skip")
+    skipped = ", ".join(f"{kinds.get(kind, 0)} {what}" for kind, what in (
+        (SKIP_ENVELOPE, "outside the envelope"), (SKIP_LIBRARY, "refused by the library for their data"),
+        (SKIP_MEMORY, "out of device memory")) if kinds.get(kind))
+    extra = " (time limit reached)" if result.timed_out else " (interrupted)" if result.interrupted else ""
+    return (f"{result.backend}: {result.verdict.upper()} -- {len(distinct)} distinct cases "
+            f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+            f"{': ' + skipped if skipped else ''}) in {result.seconds:.1f} s{extra}")
+
+
+def _platform_line() -> str:
+    from ..core.platform import platform_info
+
+    return platform_info().describe()
+
+
+# ---------------------------------------------------------------- replay
+def cmd_replay(ns: argparse.Namespace) -> int:
+    from ..backends import Backend, get_backend
+    from ..backends.user_kernel import load_kernel
+    from ..core.errors import FixtureError
+    from ..records.fixtures import load_fixture
+    from ..run.harness import run_case
+
+    fx = load_fixture(ns.fixture)
+    if fx.spec is None:
+        raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")
+    recorded = fx.meta.get("backend")
+    name = ns.backend or recorded
+    backend: Backend
+    if ns.kernel:
+        backend = load_kernel(ns.kernel)
+    elif name:
+        backend = load_kernel(name) if ":" in name else get_backend(name)  # a --kernel run records MODULE:ATTR
+    else:
+        raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
+    device = ns.device or _replay_device(fx.meta.get("source_device"))
+    reason = backend.why_not(fx.spec, fx.layout, device)
+    if reason is not None:
+        raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
+    print(f"replaying {fx.json_path} on {device}: {backend.name}")
+    if device.type == "cpu":
+        # as the recorded run did (`check`: one thread; a shadow call: its process's count); with another
+        # thread count CPU sums round differently
+        cpu_run_settings(fx.meta.get("torch_threads", 1))
+    print(f"  case: {fx.spec.describe()}")
+    print(f"  layout: {fx.layout.describe()}")
+    problem, exact = fx.problem_on(device)
+    if fx.problem is None:
+        print(f"  problem: {_rebuilt(exact, fx.meta)}")
+    result = run_case(backend, fx.spec, fx.layout, device, fx.meta.get("metamorphic", "none"), problem=problem)
+    for f in result.failures:
+        print(f"  - {f}")
+    for d in result.diagnosis:
+        print(f"  diagnosis: {d}")
+    _print_bit_comparison(fx, result, backend.name, recorded, device)
+    print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {str(fx.meta['verdict']).upper()})"
+                                                  if fx.meta.get("verdict") else ""))
+    return EXIT_DISCREPANCY if result.verdict == "fail" else EXIT_OK
+
+
+def _replay_device(recorded: str | None) -> torch.device:
+    if recorded:
+        try:
+            return parse_device(recorded)
+        except argparse.ArgumentTypeError:
+            pass  # recorded on a device this machine lacks: CPU is where every fixture can be replayed
+    return torch.device("cpu")
+
+
+def _rebuilt(exact: bool | None, meta: dict[str, Any]) -> str:
+    """How a problem rebuilt from its spec compares with the recorded one."""
+    if exact:
+        return "rebuilt from its spec, bit-identical to the recorded one"
+    if exact is None:
+        return (f"rebuilt from its spec on another device type than the recorded {meta.get('source_device')}: "
+                "the same shapes and lengths, other values")
+    recorded = (meta.get("versions") or {}).get("torch")
+    return (f"rebuilt from its spec, but not bit-identical to the recorded one (recorded with torch {recorded}, "
+            f"this is {torch.__version__}): the verdict is on another draw of the same case")
+
+
+def _print_bit_comparison(fx: Any, result: Any, backend: str, recorded: str | None, device: torch.device) -> None:
+    """Whether the kernel reproduced its recorded output (and LSE) bit for bit."""
+    from ..records.fixtures import kernel_output_records, tensor_record
+
+    records = kernel_output_records(fx)
+    if backend != recorded or "out" not in records or result.out is None:
+        return
+    pairs = [(records["out"], result.out)]
+    if "lse" in records and result.lse is not None:
+        pairs.append((records["lse"], result.lse))
+    same = all(tensor_record(got) == want for want, got in pairs)
+    source = fx.meta.get("source_device", "cpu")
+    threads = fx.meta.get("torch_threads")
+    if str(source).split(":")[0] != device.type:
+        where = f" (recorded on {source}: bit identity is not expected across device types)"
+    elif device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
+        where = (f" (recorded with {threads} torch threads, replayed with {torch.get_num_threads()}: CPU sums "
+                 "round differently; unset OMP_NUM_THREADS to replay with the recorded count)")
+    else:
+        where = ""
+    what = "output and LSE" if len(pairs) == 2 else "output"
+    print(f"  kernel {what}: {'bit-identical to' if same else 'differ from'} the recorded run{where}")
+
+
+# ---------------------------------------------------------------- report, doctor, list-backends, bench
+def cmd_report(ns: argparse.Namespace) -> int:
+    from ..records.report import load_report, render
+
+    path = Path(ns.json)
+    try:
+        written = render(load_report(path), path)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a field missing or mistyped
+        raise UsageError(f"{path}: malformed report ({type(e).__name__}: {e})") from None
+    for p in written:
+        print(p)
+    return EXIT_OK
+
+
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    from ..core.platform import platform_info
+
+    info = platform_info()
+    print(f"mla-verify {_version()}")
+    print(f"python {info.python}; torch {info.torch}; CUDA (torch build) {info.torch_cuda or 'none'}")
+    print(f"flashinfer {info.flashinfer_text()}")
+    if not info.gpus:
+        print("GPUs: none visible")
+    for g in info.gpus:
+        print(f"GPU cuda:{g.index}: {g.name}, {g.sm}, {g.memory_gib} GiB")
+    devices = [torch.device("cpu")] + [torch.device("cuda", g.index) for g in info.gpus[:1]]
+    _print_backend_table(devices, with_envelope=False)
+    return EXIT_OK
+
+
+def cmd_list_backends(ns: argparse.Namespace) -> int:
+    device = ns.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _print_backend_table([device], with_envelope=True)
+    return EXIT_OK
+
+
+def _print_backend_table(devices: list[torch.device], with_envelope: bool) -> None:
+    from ..backends import all_backends
+
+    backends = all_backends()
+    width = max(len(n) for n in backends)
+    for device in devices:
+        print(f"backends on {device}:")
+        for name, b in backends.items():
+            reason = b.unavailable_reason(device)
+            print(f"  {name:<{width}}  {'runs here' if reason is None else 'cannot run: ' + reason}")
+            if with_envelope:
+                details = ([b.description] if b.description else []) + [f"envelope: {envelope_summary(b.envelope)}"]
+                for line in details:
+                    print(f"  {'':<{width}}  {line}")
+
+
+def envelope_summary(env: Any) -> str:
+    """One line: what a backend claims to handle."""
+    def span(values: Sequence[int] | None, anything: str) -> str:
+        if values is None:
+            return anything
+        v = sorted(values)
+        runs, start = [], v[0]
+        for a, b in zip(v, [*v[1:], None]):
+            if b != a + 1:
+                runs.append(str(start) if start == a else f"{start}-{a}")
+                if b is not None:
+                    start = b
+        return ",".join(runs)
+
+    archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
+    return (f"devices {'/'.join(env.devices)} (arch {archs}); page {span(env.page_sizes, 'any')}; "
+            f"dims {', '.join(f'({r},{p})' for r, p in env.dims)}; heads {span(env.heads, f'1-{env.max_heads}')}; "
+            f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}"
+            f"{' (also ragged, per request)' if env.ragged_q else ''}; "
+            f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
+            f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
+

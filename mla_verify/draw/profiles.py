@@ -1,0 +1,77 @@
+"""Run profiles: how many cases, how random, how long.
+
+premerge  seeded and bounded: the same command gives the same cases and verdicts every time; explicit corner
+          cases first (the envelope's extremes), then drawn cases.
+fuzz      random, time-bounded, saved to an example database, ``hypothesis.target`` on the error ratio so the
+          search climbs toward the worst inputs.
+dev       a quick look.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.configuration import set_hypothesis_home_dir
+from hypothesis.database import ExampleDatabase
+
+from ..core.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_examples: int  # drawn cases (corner cases come on top, in premerge)
+    deterministic: bool
+    corner_cases: bool
+    targeted: bool
+    minutes: float | None = None  # wall-clock bound (fuzz)
+
+
+PROFILES = {
+    "premerge": Profile("premerge", max_examples=60, deterministic=True, corner_cases=True, targeted=False),
+    "fuzz": Profile("fuzz", max_examples=1_000_000, deterministic=False, corner_cases=False, targeted=True,
+                    minutes=5.0),
+    "dev": Profile("dev", max_examples=10, deterministic=True, corner_cases=False, targeted=False),
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise UsageError(f"unknown profile {name!r}; choose one of: {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def hypothesis_settings(profile: Profile, max_examples: int | None,
+                        database: ExampleDatabase | None) -> settings:
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
+    if profile.targeted:
+        phases.insert(3, Phase.target)
+    return settings(
+        max_examples=max_examples if max_examples is not None else profile.max_examples,
+        database=None if profile.deterministic else database,  # a database would make premerge history-dependent
+        deadline=None,  # kernel JIT and large cases make per-example time meaningless
+        derandomize=False,  # determinism comes from an explicit seed (engine.py), so --seed means something
+        phases=phases,
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),  # big tensors are drawn from small specs; nothing to flag
+    )
+
+
+@contextmanager
+def hypothesis_storage() -> Iterator[None]:
+    """Hypothesis caches the constants in the source of every local module under its storage directory
+    (``./.hypothesis`` by default) as it draws. The engine keeps no example database there (it has none or
+    the one named), so a run must leave nothing in the user's directory: for the run the cache goes to a
+    temporary directory, then Hypothesis's default (``HYPOTHESIS_STORAGE_DIRECTORY``, else ./.hypothesis)
+    is back for the user's own Hypothesis tests."""
+    with tempfile.TemporaryDirectory(prefix="mla-verify-hypothesis-") as scratch:
+        set_hypothesis_home_dir(scratch)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)

@@ -1,0 +1,6 @@
+"""Running cases: one case on one backend (harness: poison, snapshot, call, compare, metamorphic checks),
+the search that draws, judges and shrinks (engine, simplify), time and memory bounds (watchdog), xdist
+workers' devices, progress lines and stage times.
+
+May import: core, problems, backends, judge, draw. (tests/test_imports.py holds this rule.)
+"""

@@ -1,0 +1,251 @@
+"""Drive Hypothesis over one backend: corner cases, drawn cases, shrinking, time bounds, targeting.
+
+``verify`` returns every case run (shrinking attempts included, in order) and, on failure, the shrunk
+minimal failing case with its diagnosis. Reproducible: premerge and dev use a fixed seed and no database.
+
+Time bounds hold wherever Hypothesis spends its time: the deadline is checked before each draw (generation,
+targeting and shrinking all draw) as well as before each case, so a run ends within ``minutes`` plus one
+case. Past the deadline a search that found a failure reports the smallest one seen so far. A kernel call
+that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
+every attempt would hang too). Ctrl-C ends the search and returns what was judged so far
+(``EngineResult.interrupted``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from hypothesis import given, target
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.database import ExampleDatabase
+from hypothesis.errors import Flaky
+
+from ..backends.base import Backend
+from ..draw.profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
+from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
+from ..judge.diagnose import explained
+from .harness import SKIP_MEMORY, CaseResult, run_case
+from .simplify import simplify, size
+from .watchdog import grace_seconds
+
+DEFAULT_SEED = 20261201
+DEFAULT_KERNEL_SECONDS = 120.0  # one kernel call; FlashInfer's first fa2/fa3 call JIT-compiles (~25 s)
+
+
+@dataclass
+class EngineResult:
+    backend: str
+    profile: str
+    seed: int
+    cases: list[CaseResult] = field(default_factory=list)
+    failure: CaseResult | None = None  # the shrunk minimal failing case
+    unavailable: str | None = None  # why the backend cannot run on this device at all
+    seconds: float = 0.0
+    timed_out: bool = False
+    interrupted: bool = False  # Ctrl-C: the cases judged until then
+    draw_seconds: float = 0.0  # in the strategies, every draw counted (also those that never became a case)
+
+    @property
+    def verdict(self) -> str:
+        if self.unavailable:
+            return "skip"
+        return "fail" if self.failure is not None else "pass"
+
+
+class _CaseFailed(AssertionError):
+    pass
+
+
+class _Stop(BaseException):
+    """Ends the search (time up, or a hung kernel); BaseException so Hypothesis does not shrink it."""
+
+
+@dataclass
+class _Clock:
+    """The run's deadline, and the time spent drawing."""
+
+    deadline: float | None
+    drawing_since: float = 0.0
+    draw_seconds: float = 0.0
+    expired: bool = False
+
+    def check(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.expired = True
+            raise _Stop("time up")
+
+    def drawn(self) -> float:
+        """Called as a case starts: seconds since its draw began."""
+        took = time.perf_counter() - self.drawing_since
+        self.draw_seconds += took
+        return took
+
+
+def _clocked(strategy: st.SearchStrategy[Case], clock: _Clock) -> st.SearchStrategy[Case]:
+    @st.composite
+    def draw(draw_fn: st.DrawFn) -> Case:
+        clock.check()
+        clock.drawing_since = time.perf_counter()
+        return draw_fn(strategy)
+    return draw()
+
+
+def verify(backend: Backend, device: torch.device | str, profile: str | Profile = "premerge",
+           seed: int | None = None, max_examples: int | None = None, minutes: float | None = None,
+           database: ExampleDatabase | None = None,
+           on_case: Callable[[CaseResult], None] | None = None,
+           on_start: Callable[[Case], None] | None = None,
+           kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
+           budget: Budget | None = None) -> EngineResult:
+    """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
+    ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's."""
+    device = torch.device(device)
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    seed = DEFAULT_SEED if seed is None else seed
+    result = EngineResult(backend.name, prof.name, seed)
+    started = time.monotonic()
+    reason = backend.unavailable_reason(device)
+    if reason is not None:
+        result.unavailable = f"{backend.name}: {reason}"
+        return result
+    if kernel_seconds is not None:
+        grace_seconds()  # a malformed grace is a UsageError here, not a "kernel raised" verdict inside a case
+    budget = budget if budget is not None else budget_for(device)
+    minutes = prof.minutes if minutes is None else minutes
+    clock = _Clock(None if minutes is None else started + 60.0 * minutes)
+
+    def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
+        if on_start is not None:
+            on_start(case)
+        r = run_case(backend, case.spec, case.layout, device, case.transform, diagnose=diagnose,
+                     kernel_seconds=kernel_seconds)
+        if draw_seconds is not None:
+            r.stages = {"draw": draw_seconds, **r.stages}
+        if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
+            budget.shrink_below(cached_tokens(case.spec.seq_lens, case.spec.page_size, case.spec.extra_pages),
+                                case.spec.batch * case.spec.q_len * case.spec.num_heads)
+        if on_case is not None:
+            on_case(r)
+        if r.verdict != "fail":  # the run keeps every case's result: only a failure's tensors are used later
+            r.out = r.lse = r.problem = None  # (on a GPU, thousands of outputs would fill its memory)
+        result.cases.append(r)
+        if r.hung:
+            raise _Stop("hung kernel")
+        return r
+
+    corner_failure: CaseResult | None = None
+    drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
+    try:
+        if prof.corner_cases:
+            for case in corner_cases(backend.envelope, budget):
+                clock.check()
+                r = record(case, diagnose=True)
+                if r.verdict == "fail":
+                    corner_failure = r
+                    break
+        # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
+        # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
+        # Hypothesis may end a search before the deadline by its own rules (e.g. it judges a small envelope
+        # exhausted); a time-bounded random search then starts another until the deadline
+        for restart in itertools.count():  # each restart its own seed: the same one would repeat the cases
+            _search(backend, prof, max_examples, database, seed + restart, budget, clock, record, drawn)
+            if drawn or prof.deterministic or clock.deadline is None:
+                break
+    except _Stop:
+        result.timed_out = clock.expired
+    except KeyboardInterrupt:
+        result.interrupted = True
+    hung = _hung(result)
+    failing = drawn + ([corner_failure] if corner_failure is not None else [])
+    if hung is not None:
+        result.failure = hung
+    elif failing:
+        # the smallest failure seen: Hypothesis's minimal example (it replays that one last) is minimal in its
+        # own order, not always in size, and a corner case is not shrunk by Hypothesis at all
+        smallest = min(reversed(failing), key=lambda r: size(Case(r.spec, r.layout, r.metamorphic)))
+        result.failure = smallest
+        try:
+            if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
+                smallest = result.failure = _simplified(backend, smallest, clock, record)  # in Hypothesis's order
+            if not result.interrupted:
+                result.failure = _replayed(backend, smallest, device, kernel_seconds)
+        except KeyboardInterrupt:  # the failure as it stood is the report
+            result.interrupted = True
+    if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
+            and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
+        # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
+        result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
+                                    for d in corner_failure.diagnosis]
+    result.draw_seconds = clock.draw_seconds
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _search(backend: Backend, prof: Profile, max_examples: int | None, database: ExampleDatabase | None,
+            seed: int, budget: Budget, clock: _Clock, record: Callable[..., CaseResult],
+            failures: list[CaseResult]) -> None:
+    @hypothesis_settings(prof, max_examples, database)
+    @given(_clocked(cases(backend.envelope, budget), clock))
+    def search(case: Case) -> None:
+        r = record(case, draw_seconds=clock.drawn())
+        if prof.targeted and r.stats is not None:
+            target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
+        if r.verdict == "fail":
+            failures.append(r)
+            raise _CaseFailed(r.reason)
+
+    # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
+    # so runners sharing a database replay each other's failures for that backend.
+    search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()  # type: ignore[attr-defined]
+    if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
+        search = hypothesis_seed(seed)(search)
+    try:
+        with hypothesis_storage():
+            search()
+    except _CaseFailed:
+        pass
+    except Flaky:
+        # Hypothesis turns a stop inside a draw into "inconsistent data generation"; otherwise Flaky means
+        # the minimal failure did not fail again, which _replayed says
+        if clock.expired:
+            raise _Stop("time up") from None
+
+
+def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
+                record: Callable[..., CaseResult]) -> CaseResult:
+    """A failing case made as small as it still fails (simplify.py), within the run's deadline."""
+    last = failure
+
+    def fails(case: Case) -> bool:
+        nonlocal last
+        clock.check()
+        r = record(case)
+        if r.verdict == "fail":
+            last = r
+        return r.verdict == "fail"
+
+    try:
+        simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
+    except _Stop:
+        pass
+    return last
+
+
+def _hung(result: EngineResult) -> CaseResult | None:
+    """The case whose kernel hung, if that is what ended the search."""
+    last = result.cases[-1] if result.cases else None
+    return last if last is not None and last.hung else None
+
+
+def _replayed(backend: Backend, shrunk: CaseResult, device: torch.device,
+              kernel_seconds: float | None) -> CaseResult:
+    """The minimal failing case run once more, with diagnosis; the original if it no longer fails."""
+    again = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic, kernel_seconds=kernel_seconds)
+    if again.verdict == "fail":
+        return again
+    shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
+    return shrunk

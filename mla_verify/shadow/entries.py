@@ -1,0 +1,227 @@
+"""How shadow mode reads each entry point's live call: its bound arguments -> a ``LiveCall`` in Contract 1's terms.
+
+- any Contract-1 kernel (docs/contracts.md) registered with the shadow: its declared envelope, if any, is its contract;
+- ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` (FlashInfer 0.7.x): Contract 1 plus ``backend=``,
+  ``return_lse_base=`` and the forms the reference does not compute (sparse, compact variable-q, sinks, ...),
+  which are counted as seen but not checked;
+- DeepSeek's ``flash_mla.flash_mla_with_kvcache``: [blocks, page, 1, D] cache, softmax_scale defaulting to
+  1/sqrt(head_dim of q), LSE [B, H, s_q] in natural log.
+The wrapper's plan/run pair is read in shadow_wrapper.py. Nothing here calls a kernel or changes a tensor.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
+from ..backends.trtllm_style import split_lse
+from ..core.bits import same_bits
+from .contract import ERROR, WARNING, Finding, KernelContract, PagedArgs
+
+Canonical = Callable[[Any], "tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]"]
+CONTRACT1_ORDER = ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                   "block_tables", "seq_lens", "max_seq_len")
+LN_BASE = math.e
+
+
+@dataclass
+class LiveCall:
+    """One intercepted call read in the suite's terms. ``args`` None: a form the shadow does not read."""
+
+    args: PagedArgs | None
+    contract: KernelContract
+    pass_out: bool = False
+    return_lse: bool = False
+    to_canonical: Canonical | None = None  # kernel result -> (out [B, q, H, L], lse [B, q, H] or None, findings)
+    replay: str | None = None  # the backend or MODULE:ATTR that `mla-verify replay` re-runs it with
+    unchecked: str | None = None  # why its numbers are not checked
+    findings: list[Finding] = field(default_factory=list)
+    table_width: str | None = None  # LayoutSpec.table_width override (CSR metadata is never padded)
+
+
+def bind_arguments(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Argument name -> value with defaults applied (``**kwargs`` flattened); None if they do not bind."""
+    if signature is None:  # a callable without a signature: Contract 1's positional order
+        return {**dict(zip(CONTRACT1_ORDER, args)), **kwargs}
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            values.update(values.pop(name, {}))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            values.pop(name, None)
+    return values
+
+
+def signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def scalar(value: Any) -> float:
+    """A scale given as a number or a one-element tensor (read back from the device)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def result_parts(result: Any, out_buffer: torch.Tensor | None, return_lse: bool,
+                 lse_shape: str = "(out, lse)") -> tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]:
+    """(output, raw lse, findings) of a kernel's result: the return form, and `out` written in place AND returned."""
+    found: list[Finding] = []
+    lse = None
+    if return_lse:
+        if isinstance(result, (tuple, list)) and len(result) == 2:
+            out, lse = result
+        else:
+            found.append(Finding(ERROR, "result", f"LSE was requested, but the kernel returned "
+                                 f"{type(result).__name__}, not {lse_shape}"))
+            out = result if isinstance(result, torch.Tensor) else None
+    elif isinstance(result, (tuple, list)):
+        found.append(Finding(ERROR, "result", f"returned a {type(result).__name__} though no LSE was requested"))
+        out = result[0] if result and isinstance(result[0], torch.Tensor) else None
+    else:
+        out = result if isinstance(result, torch.Tensor) else None
+    if out_buffer is None:
+        if out is None:
+            found.append(Finding(ERROR, "result", f"returned {type(result).__name__} and was given no `out` "
+                                 "buffer: the result is lost"))
+        return out, lse, found
+    if out is None:
+        found.append(Finding(ERROR, "out", f"the kernel wrote `out` in place but returned {type(result).__name__}: "
+                             "a caller that uses the return value gets no output"))
+        return out_buffer, lse, found
+    if out.data_ptr() != out_buffer.data_ptr() and not same_bits(out, out_buffer):
+        found.append(Finding(ERROR, "out", "the kernel returned a new tensor and left the `out` buffer without its "
+                             "result: a caller that reads its `out` buffer sees stale values"))
+    return out, lse, found
+
+
+def read_contract1(values: Mapping[str, Any], contract: KernelContract, replay: str | None,
+                   out_shape: tuple[int, ...] | None = None) -> LiveCall:
+    """A call with Contract 1's arguments (a registered kernel, or FlashInfer's functional entry point)."""
+    missing = [name for name in CONTRACT1_ORDER if name != "workspace_buffer" and values.get(name) is None]
+    if missing:
+        return LiveCall(None, contract, unchecked=f"no {', '.join(missing)} in the call")
+    query, out = values["query"], values.get("out")
+    return_lse = bool(values.get("return_lse", False))
+    args = PagedArgs(query=query, kv_cache=values["kv_cache"], block_table=values["block_tables"],
+                     seq_lens=values["seq_lens"], kv_lora_rank=int(values["kv_lora_rank"]),
+                     qk_rope_head_dim=int(values["qk_rope_head_dim"]),
+                     bmm1_scale=scalar(values.get("bmm1_scale", 1.0)), bmm2_scale=scalar(values.get("bmm2_scale", 1.0)),
+                     qk_nope_head_dim=int(values["qk_nope_head_dim"]), max_seq_len=int(values["max_seq_len"]),
+                     out=out, out_shape=out_shape)
+
+    def to_canonical(result: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]:
+        o, lse, found = result_parts(result, out, return_lse)
+        if query.dim() != 4:
+            return o, lse, found
+        B, Q, H = query.shape[:3]
+        o = None if o is None else o.reshape(B, Q, H, -1)
+        return o, None if lse is None else split_lse(lse, B, Q), found
+
+    return LiveCall(args, contract, pass_out=out is not None, return_lse=return_lse, to_canonical=to_canonical,
+                    replay=replay)
+
+
+# --- FlashInfer's functional entry point
+
+FLASHINFER_ENVELOPES = {"trtllm-gen": TRTLLM_GEN_ENVELOPE, "cute-dsl": CUTE_DSL_ENVELOPE, "xqa": XQA_ENVELOPE}
+# the forms FlashInfer's function takes that the reference does not compute: (argument, is it used, the form)
+UNREAD_FORMS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("sparse_mla_top_k", lambda v: bool(v), "sparse MLA"),
+    ("cum_seq_lens_q", lambda v: v is not None, "compact variable-q query"),
+    ("sinks", lambda v: v is not None, "attention sinks"),
+    ("skip_softmax_threshold_scale_factor", lambda v: v is not None, "skip-softmax"),
+    ("uses_shared_paged_kv_idx", lambda v: v is False, "TRT-LLM's separate K/V page tables"),
+    ("enable_dcp", lambda v: bool(v), "decode context parallelism"),
+)
+LSE_BASES = {"base2": 2.0, "basee": LN_BASE}
+DEFAULT_LSE_BASE = {"trtllm-gen": 2.0, "cute-dsl": LN_BASE, "xqa": None}  # return_lse_base=None, FlashInfer 0.7.4
+
+
+def read_flashinfer_trtllm(values: Mapping[str, Any], seen_workspaces: set[int]) -> LiveCall:
+    backend = str(values.get("backend", "auto"))
+    base = LSE_BASES.get(values.get("return_lse_base") or "", DEFAULT_LSE_BASE.get(backend))
+    envelope = FLASHINFER_ENVELOPES.get(backend)
+    contract = KernelContract(f"trtllm_batch_decode_with_kv_cache_mla(backend={backend!r})", envelope=envelope,
+                              envelope_severity=WARNING, lse_base=base)
+    for name, used, form in UNREAD_FORMS:
+        if used(values.get(name)):
+            return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")
+    query = values.get("query")
+    out_shape = None
+    if backend == "xqa" and isinstance(query, torch.Tensor) and query.dim() == 4:
+        out_shape = (query.shape[0], query.shape[2], values["kv_lora_rank"])  # XQA's out has no q_len axis
+    call = read_contract1(values, contract, replay=backend if envelope is not None else None, out_shape=out_shape)
+    if call.args is not None and values.get("return_lse") and base is None:
+        call.findings.append(Finding(WARNING, "return_lse_base", f"None under backend={backend!r}: the LSE's base "
+                                     "depends on the backend FlashInfer picks; pass 'base2' or 'basee'"))
+    workspace = values.get("workspace_buffer")
+    if isinstance(workspace, torch.Tensor) and isinstance(query, torch.Tensor):
+        call.findings += _workspace_findings(workspace, query, seen_workspaces)
+    return call
+
+
+def _workspace_findings(workspace: torch.Tensor, query: torch.Tensor, seen: set[int]) -> list[Finding]:
+    if workspace.device != query.device:
+        return [Finding(ERROR, "workspace_buffer", f"on {workspace.device}, the query on {query.device}",
+                        blocking=True)]
+    if workspace.data_ptr() in seen:
+        return []
+    seen.add(workspace.data_ptr())
+    if workspace.is_contiguous() and bool(workspace.view(torch.uint8).any()):
+        return [Finding(WARNING, "workspace_buffer", "not all zeros when first seen: trtllm-gen keeps semaphores "
+                        "in it and needs it zero-initialised (torch.zeros, not torch.empty) before its first use")]
+    return []
+
+
+# --- FlashMLA
+
+FLASHMLA_UNREAD = (("indices", "sparse attention"), ("attn_sink", "attention sinks"),
+                   ("extra_k_cache", "extra KV scopes"))
+
+
+def read_flashmla(values: Mapping[str, Any]) -> LiveCall:
+    """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse)."""
+    contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
+    for name, form in FLASHMLA_UNREAD:
+        if values.get(name) is not None:
+            return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")
+    if values.get("is_fp8_kvcache"):
+        return LiveCall(None, contract, unchecked="FlashMLA's packed fp8 cache (values with inline scales) is not read")
+    q, cache, dv = values.get("q"), values.get("k_cache"), values.get("head_dim_v", values.get("dv"))
+    if not isinstance(q, torch.Tensor) or not isinstance(cache, torch.Tensor) or dv is None:
+        return LiveCall(None, contract, unchecked="no q, k_cache or head_dim_v in the call")
+    if cache.dim() != 4 or cache.shape[2] != 1:
+        hint = " -- Contract 1's [pages, 1, page, D] order" if cache.dim() == 4 and cache.shape[1] == 1 else ""
+        return LiveCall(None, contract, findings=[Finding(
+            ERROR, "k_cache", f"shape {tuple(cache.shape)}; FlashMLA takes [blocks, page_size, 1, D]{hint}",
+            blocking=True)], unchecked="the cache cannot be read")
+    causal = bool(values.get("causal", False))
+    scale = values.get("softmax_scale")
+    args = PagedArgs(query=q, kv_cache=cache[:, :, 0], block_table=values["block_table"],
+                     seq_lens=values["cache_seqlens"], kv_lora_rank=int(dv), qk_rope_head_dim=q.shape[-1] - int(dv),
+                     bmm1_scale=q.shape[-1] ** -0.5 if scale is None else scalar(scale))
+    found = []
+    unchecked = None
+    if not causal and q.dim() == 4 and q.shape[1] > 1:
+        found.append(Finding(WARNING, "causal", f"False with {q.shape[1]} query tokens per request: each new "
+                             "token sees the ones after it (a multi-token decode step is causal)"))
+        unchecked = "non-causal attention over several query tokens"
+
+    def to_canonical(result: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]:
+        o, lse, parts = result_parts(result, None, True, "(out, softmax_lse)")
+        return o, None if lse is None else lse.transpose(1, 2), parts
+
+    return LiveCall(args, contract, pass_out=False, return_lse=True, to_canonical=to_canonical, replay="flashmla",
+                    unchecked=unchecked, findings=found)
