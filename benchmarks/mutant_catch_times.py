@@ -7,7 +7,7 @@ profile (it must pass). Beside each kernel's numbers: its CPU seconds and the lo
 (timings on a shared machine depend on what else runs). Results go to ``--out`` (JSON, with the machine and
 commit) and a Markdown table next to it (``.md``).
 
-    python benchmarks/mutant_catch_times.py --out results/cpu/mutant_catch_times.json [--mutants a,b]
+    python benchmarks/mutant_catch_times.py --out mla-verify-results/cpu/mutant_catch_times.json [--mutants a,b]
 """
 from __future__ import annotations
 

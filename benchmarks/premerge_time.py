@@ -8,7 +8,7 @@ machine's load around it (run_record.measured). Then it compares the runs' repor
 verdict) lists must be equal. The acceptance bound (60 s per run) is reported, not asserted: the time depends
 on what else the machine runs, which is why the load stands beside every number.
 
-    python benchmarks/premerge_time.py --out results/cpu/premerge_time.json [--runs 2] [--omp-threads 1]
+    python benchmarks/premerge_time.py --out mla-verify-results/cpu/premerge_time.json [--runs 2] [--omp-threads 1]
                                        [--background-load 2]
 
 ``--omp-threads`` sets OMP_NUM_THREADS for the runs: on a 2-core machine shared with other work, torch's

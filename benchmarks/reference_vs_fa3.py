@@ -13,7 +13,7 @@ The goals (docs/reference.md, "Its cost"): the reference within 10x fa3's time o
 Writes ``ref_vs_fa3.json`` and ``ref_vs_fa3.md`` under ``--out`` (``--profile`` adds the fast mode's top CUDA
 kernels per case, ``profile.txt``); with the package installed:
 
-    python benchmarks/reference_vs_fa3.py --profile --out results/ref_bench
+    python benchmarks/reference_vs_fa3.py --profile --out mla-verify-results/ref_bench
 """
 from __future__ import annotations
 
