@@ -2,6 +2,7 @@
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
 #   source .gpu-bundle/activate.sh && MLA_COMMIT=<hash> bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
+# (carry .gpu-bundle, and .whl when it holds wheels to install, e.g. sgl-flash-mla for the flashmla backends)
 # Phases: env (versions, doctor, commit), probe (tolerance calibration), warm (JIT-builds every variant of
 # WARM_BACKENDS, benchmarks/warm_jit.py), gputests (pytest -m gpu, GPU_TEST_WORKERS workers on the GPU),
 # reftests (tests/test_reference_cuda.py alone), refbench (reference vs fa3 time and memory), bench (grid twice
@@ -32,6 +33,11 @@ if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the paralle
   trap finish EXIT
   python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/pip.log" 2>&1 \
     || log "editable install failed (see pip.log)"
+  # carried wheels (.whl/, e.g. sgl-flash-mla, installed --no-deps: its metadata asks for a newer torch)
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 \
+      || log "carried wheels failed to install (see pip.log)"
+  fi
 fi
 export MLA_SESSION_CHILD=1
 PLUGIN="-p no:mla_verify -p mla_verify.pytest_plugin"  # works whether or not the entry point is installed
