@@ -246,3 +246,51 @@ def test_a_failed_backend_without_failure_lines_still_has_a_banner() -> None:
     report = {"backends": [{"name": "k", "verdict": "fail", "failure": {"failures": []}}]}
     verdict, text = verdict_banner(report)
     assert verdict == "FAIL" and "k: failed" in text
+
+
+# ---------------------------------------------------------------- the run as tables, aliases drawn apart
+def _aliased_report() -> dict:
+    """fa-auto ran as fa3 on the same cases as fa3: their points coincide."""
+    from mla_verify.run import stage_times
+
+    draws = [(64, 8, 0.1), (900, 16, 0.3)]
+    fa3 = EngineResult("fa3", "dev", 1, cases=[_case("fa3", s, h, r) for s, h, r in draws], seconds=0.5)
+    auto = EngineResult("fa-auto", "dev", 1, cases=[_case("fa-auto", s, h, r) for s, h, r in draws], seconds=0.5)
+    for c in auto.cases:
+        c.resolved_backend = "fa3"
+    for c in fa3.cases + auto.cases:
+        c.stages = {"draw": 0.002, "kernel": 0.006}
+    run = {"device": "cuda", "seed": None, "interrupted": False, "seconds": 1.0,
+           "throughput": {r.backend: stage_times.breakdown(r) for r in (fa3, auto)}}
+    return build_report(run, [fa3, auto], {})
+
+
+def test_a_policy_backend_is_drawn_as_rings_around_the_kernel_it_ran_as(tmp_path):
+    path = tmp_path / "r.json"
+    write_report(path, _aliased_report())
+    for plot in ("seq", "heads"):
+        svg = ET.fromstring(output_paths(path)[plot].read_text())
+        points = [(c.find(SVG + "title").text.split()[0], c) for c in svg.iter(SVG + "circle")
+                  if c.find(SVG + "title") is not None]
+        dots = {(c.get("cx"), c.get("cy")) for b, c in points if b == "fa3" and c.get("fill") != "none"}
+        rings = {(c.get("cx"), c.get("cy")) for b, c in points if b == "fa-auto" and c.get("fill") == "none"}
+        assert len(dots) == 2 and rings == dots  # every fa3 dot shows, ringed by fa-auto's point
+        assert "fa-auto (open rings: ran as fa3)" in [t.text for t in svg.iter(SVG + "text")]
+
+
+def test_the_run_section_is_a_table_in_markdown_and_html(tmp_path):
+    report = _aliased_report()
+    report["run"]["throughput"]["fa3"]["warmup_s"] = 12.5  # a warm-up phase, timed apart from the cases
+    path = tmp_path / "r.json"
+    write_report(path, report)
+    md = output_paths(path)["md"].read_text()
+    fa3 = report["run"]["throughput"]["fa3"]
+    assert "| per backend | fa3 | fa-auto (ran as fa3) |" in md
+    assert f"| judged cases | {fa3['judged']} | {fa3['judged']} |" in md
+    assert f"| kernel, mean per judged case | {fa3['mean_ms']['kernel']:.1f} ms (75%) |" in md  # 6 of 8 ms
+    assert "| warm-up (apart from the cases) | 12.5 s | - |" in md
+    assert "| interrupted | no |" in md and "seed" not in md  # unset settings are left out
+    html = output_paths(path)["html"].read_text()
+    assert "<td>judged per second</td>" in html
+    for text in (md, html):
+        assert not re.search(r"\{'|\['|\[\(|True|False|None", text), "a raw Python repr in the report"

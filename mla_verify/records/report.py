@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import UsageError
 from .fixtures import check_writable_dir
+from .run_table import settings_rows, time_table
 
 if TYPE_CHECKING:
     from ..run.engine import EngineResult
@@ -83,7 +84,8 @@ def render(report: dict[str, Any], json_path: Path) -> list[Path]:
     paths = output_paths(json_path)
     try:
         paths["xml"].write_text(junit_xml(report))
-        svgs = {k: scatter_svg(report["cases"], k) for k in PLOTS}
+        aliases = {b["name"]: list(b["resolved"]) for b in report.get("backends", []) if b.get("resolved")}
+        svgs = {k: scatter_svg(report["cases"], k, aliases) for k in PLOTS}
         for k, svg in svgs.items():
             paths[k].write_text(svg)
         blocks = _document(report, {k: paths[k].name for k in PLOTS}, svgs)
@@ -198,8 +200,9 @@ def _ratio_text(case: dict[str, Any]) -> str:
 
 def _shape(kind: str, x: float, y: float, fill: str, extra: str) -> str:
     """An SVG element (without its end) for one point: circle, triangles for clipped, cross, square."""
-    if kind == "inside":
-        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{fill}" fill-opacity="0.7"{extra}>'
+    if kind in ("inside", "ring"):  # a ring (a policy backend's point) is drawn around the filled dot
+        return f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{3 if kind == "inside" else 5.5}" fill="{fill}" ' \
+               f'fill-opacity="0.7"{extra}>'
     if kind == "broken":
         return (f'<path d="M{x - 4:.1f},{y - 4:.1f}L{x + 4:.1f},{y + 4:.1f}M{x - 4:.1f},{y + 4:.1f}'
                 f'L{x + 4:.1f},{y - 4:.1f}" stroke="{fill}" stroke-width="2.5"{extra}>')
@@ -215,16 +218,23 @@ def _end(element: str) -> str:
     return "</" + element[1:element.index(" ")] + ">"
 
 
-def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
+def scatter_svg(cases: list[dict[str, Any]], which: str, aliases: dict[str, list[str]] | None = None) -> str:
     """Error ratio (error / allowed; < 1 passes) against sequence length or heads, one colour per backend,
-    failing cases outlined red; clipped, non-finite and other-check failures marked (MARKS)."""
+    failing cases outlined red; clipped, non-finite and other-check failures marked (MARKS).
+
+    ``aliases`` maps a policy backend (fa-auto) to the kernels it ran as: its points lie on theirs when both
+    ran the same cases, so it is drawn as open rings around them, drawn last, and its legend says so."""
     _, x_label, key = PLOTS[which]
+    aliases = aliases or {}
     points = [c for c in cases if c.get("stats") is not None or c["verdict"] == "fail"]
+    points.sort(key=lambda c: c["backend"] in aliases)  # stable: rings over the filled marks they surround
     backends = list(dict.fromkeys(c["backend"] for c in cases))
     marks = {c["id"]: _mark(c) for c in points}
     used = [k for k in MARKS if k != "inside" and any(m == k for _, m in marks.values())]
+    names = {b: b + (f" (open rings: ran as {', '.join(aliases[b])})" if b in aliases else "") for b in backends}
     legend = [(b, "") for b in backends] + [("", k) for k in used]
-    width = max(W, int(LEFT + 30 + CHAR_W * max((len(b or MARKS[k]) for b, k in legend), default=0)))
+    width = max(W, int(LEFT + 30 + CHAR_W * max((len(names[b] if b else MARKS[k]) for b, k in legend),
+                                                default=0)))
     height = H + LEGEND_LINE * len(legend) + (LEGEND_LINE if points else 0)
     xs = [_x_value(c, key) for c in points] or [1.0]
     x_lo, x_hi = math.log10(min(xs)), math.log10(max(xs))
@@ -265,16 +275,21 @@ def scatter_svg(cases: list[dict[str, Any]], which: str) -> str:
         failed = c["verdict"] == "fail"
         fill = FAIL_COLOR if kind == "broken" else color
         ring = f' stroke="{FAIL_COLOR}" stroke-width="2"' if failed and kind != "broken" else ""
+        if c["backend"] in aliases and kind != "broken":
+            fill, ring = "none", f' stroke="{FAIL_COLOR if failed else color}" stroke-width="1.5"'
+            kind = "ring" if kind == "inside" else kind
         element = _shape(kind, px(_x_value(c, key)), py(y), fill, ring)
-        note = f" ({MARKS[kind].split(',')[0]})" if kind != "inside" else ""
+        note = f" ({MARKS[kind].split(',')[0]})" if kind not in ("inside", "ring") else ""
         out.append(f'{element}<title>{escape(c["backend"])} {c["id"]} {c["verdict"]}: error/allowed '
                    f'{_ratio_text(c)}{escape(note)}; {escape(_short(c))}</title>{_end(element)}')
     ly = H + 4
     for i, (b, k) in enumerate(legend):
         y = ly + LEGEND_LINE * i
-        sample = (f'<circle cx="{LEFT + 6}" cy="{y}" r="4" fill="{COLORS[i % len(COLORS)]}"/>' if b else
+        color = COLORS[i % len(COLORS)]
+        sample = (f'<circle cx="{LEFT + 6}" cy="{y}" r="5" fill="none" stroke="{color}" stroke-width="1.5"/>'
+                  if b in aliases else f'<circle cx="{LEFT + 6}" cy="{y}" r="4" fill="{color}"/>' if b else
                   _shape(k, LEFT + 6, y, FAIL_COLOR if k == "broken" else "#888", "")[:-1] + "/>")
-        out.append(f'{sample}<text x="{LEFT + 18}" y="{y + 4}">{escape(b or MARKS[k])}</text>')
+        out.append(f'{sample}<text x="{LEFT + 18}" y="{y + 4}">{escape(names[b] if b else MARKS[k])}</text>')
     if points:
         y = ly + LEGEND_LINE * len(legend)
         out.append(f'<circle cx="{LEFT + 6}" cy="{y}" r="4" fill="none" stroke="{FAIL_COLOR}" stroke-width="2"/>'
@@ -316,8 +331,6 @@ def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
 def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str, str]) -> list[Block]:
     cases = report["cases"]
     blocks: list[Block] = [("h", 1, "mla-verify report"), ("banner", *verdict_banner(report))]
-    run = report.get("run", {})
-    blocks.append(("p", " · ".join(f"{k}: {v}" for k, v in run.items() if v is not None)))
     if report.get("platform"):
         blocks.append(("p", f"platform: {report['platform']}"))
     if report.get("selfcheck"):
@@ -346,6 +359,11 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
         if failure.get("fixture"):
             lines += [f"reproducer: {failure['fixture']}", f"re-run: mla-verify replay {failure['fixture']}"]
         blocks.append(("pre", "\n".join(lines)))
+    run = report.get("run") or {}
+    blocks += [("h", 2, "Run"), ("table", ["setting", "value"], settings_rows(run))]
+    if run.get("throughput"):
+        resolved = {b["name"]: b["resolved"] for b in report.get("backends", []) if b.get("resolved")}
+        blocks += [("h", 2, "Where the time went"), ("table", *time_table(run["throughput"], resolved))]
     blocks.append(("h", 2, "Error against sequence length and head count"))
     blocks.append(("p", "Each point is one judged case: its error divided by what the tolerance model allows "
                         "(below 1 passes). Failing cases are outlined red; a failure with NaN/inf or no output "
