@@ -74,7 +74,7 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
         pytest.skip(result.unavailable)
     if result.failure is not None:
         case = result.failure
-        saved = save_reproducer(Path(fixtures_dir), case) if case.problem is not None else None
+        saved = save_reproducer(Path(fixtures_dir), case, source=backend.source) if case.problem is not None else None
         pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved), Path(fixtures_dir))),
                     pytrace=False)
     assert result.cases, f"no case was run for {backend.name}"

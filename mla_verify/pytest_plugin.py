@@ -21,7 +21,7 @@ import torch
 
 from .backends import all_backends
 from .backends.user_kernel import load_kernel
-from .core.errors import UsageError
+from .core.errors import UsageError, did_you_mean
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import PROFILES
 from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
@@ -115,7 +115,8 @@ def read_options(config: pytest.Config) -> MLAOptions:
     known = all_backends()
     unknown = [name for name in backends if name not in known]
     if unknown:  # a typo must not turn the gate into "everything skipped"
-        raise UsageError(f"--mla-backend: unknown backend {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        raise UsageError(f"--mla-backend: unknown backend {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
+                         f"known: {', '.join(sorted(known))}")
     if kernel is not None:
         load_kernel(kernel, "--mla-kernel")  # the one-line errors of `check --kernel`, before any test runs
     database = _raw(config, "hypothesis_db")

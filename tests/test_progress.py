@@ -10,13 +10,28 @@ from mla_verify.run.progress import Progress
 
 def test_the_line_counts_against_the_total_and_names_a_running_case():
     progress = Progress("fa3", minutes=None, total=70, stream=io.StringIO())
-    progress.update(SimpleNamespace(verdict="pass"))
-    progress.update(SimpleNamespace(verdict="skip"))
+    progress.update(SimpleNamespace(id="a", verdict="pass"))
+    progress.update(SimpleNamespace(id="b", verdict="skip"))
     case = SimpleNamespace(spec=ProblemSpec(seq_lens=(5, 9), num_heads=3))
     progress.start(case)
     now = progress.case_started + 4.2
     line = progress.line(now)
-    assert line.startswith("fa3: 2 of <= 70 cases, 0 failing, 1 skipped")
+    assert line.startswith("fa3: 2 of <= 70 distinct cases, 0 failing, 1 skipped")
     assert "case running 4 s: B=2 H=3" in line
-    progress.update(SimpleNamespace(verdict="fail"))  # the case ended: it is no longer named
+    progress.update(SimpleNamespace(id="c", verdict="fail"))  # the case ended: it is no longer named
     assert "case running" not in progress.line(now) and "1 failing" in progress.line(now)
+
+
+def test_a_revisited_case_counts_once_as_the_verdict_counts_it():
+    from mla_verify.records.report import count_verdicts, distinct_cases
+    from mla_verify.run.engine import EngineResult
+
+    # shrinking replays cases: the failing one three times, a passing one twice
+    ran = [SimpleNamespace(id=i, verdict=v) for i, v in
+           [("a", "pass"), ("b", "fail"), ("a", "pass"), ("b", "fail"), ("c", "skip"), ("b", "fail")]]
+    progress = Progress("fa3", minutes=None, stream=io.StringIO())
+    for case in ran:
+        progress.update(case)
+    verdict = count_verdicts(c.verdict for c in distinct_cases(EngineResult("fa3", "dev", 1, cases=ran)))
+    assert progress.counts == verdict
+    assert progress.line(progress.started).startswith(f"fa3: {sum(verdict.values())} distinct cases, 1 failing")

@@ -74,7 +74,7 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     (["--mla-shards", "0"], {}, "ERROR: --mla-shards: '0' is not a whole number >= 1"),
     (["--mla-seed", "-1"], {}, "ERROR: --mla-seed: -1 is negative"),
     # a typo must not turn the gate into "everything skipped"
-    (["--mla-backend", "fa4"], {}, "ERROR: --mla-backend: unknown backend 'fa4'; known: *"),
+    (["--mla-backend", "fa33"], {}, "ERROR: --mla-backend: unknown backend 'fa33' (did you mean 'fa3'?); known: *"),
     ([], {"MLA_VERIFY_BACKEND": "fa3,nope"}, "ERROR: --mla-backend: unknown backend 'nope'; known: *"),
     (["--mla-kernel", "no_such_pkg.mod:fn"], {}, "ERROR: --mla-kernel: kernel module 'no_such_pkg.mod' not found*"),
     (["--mla-hypothesis-db", "http://localhost/db"], {}, "ERROR: *"),

@@ -49,12 +49,14 @@ def test_the_cpu_peer_runs_on_cpu() -> None:
     assert get_backend("cpu-peer").why_not(SPEC, LayoutSpec(), torch.device("cpu")) is None
 
 
-def test_unknown_backend_is_a_one_line_usage_error() -> None:
+@pytest.mark.parametrize("name, hint", [("fa33", " (did you mean 'fa3'?)"), ("flashmal", " (did you mean 'flashmla'?)"),
+                                        ("zzz", "")])
+def test_unknown_backend_is_a_one_line_usage_error(name: str, hint: str) -> None:
     with pytest.raises(UsageError) as err:
-        get_backend("fa4")
+        get_backend(name)
     message = str(err.value)
     assert "\n" not in message
-    assert message == f"unknown backend 'fa4'; known: {', '.join(all_backends())}"
+    assert message == f"unknown backend '{name}'{hint}; known: {', '.join(all_backends())}"
 
 
 # --- third-party backends through the entry-point group ---------------------------------------------------------

@@ -127,11 +127,19 @@ def test_check_report_path(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the write probe is gone
     (tmp_path / "file").write_text("")
     (tmp_path / "dir.json").mkdir()
-    for bad, match in [(tmp_path / "nope" / "r.json", "does not exist"),
-                       (tmp_path / "file" / "r.json", "not a directory"),
+    for bad, match in [(tmp_path / "file" / "r.json", "not a directory"),
+                       (tmp_path / "file" / "sub" / "r.json", "not a directory"),
                        (tmp_path / "r.xml", "takes the JSON path"), (tmp_path / "dir.json", "is a directory")]:
         with pytest.raises(UsageError, match=match):
             check_report_path(str(bad))
+
+
+def test_report_creates_its_folder_once_the_run_is_over(tmp_path):
+    path = tmp_path / "new" / "sub" / "out.json"
+    assert check_report_path(str(path)) == path
+    assert list(tmp_path.iterdir()) == []  # validated before the run: nothing made yet
+    written = write_report(path, _report())
+    assert all(p.parent == path.parent and p.is_file() for p in written)
 
 
 def test_load_report_errors(tmp_path):

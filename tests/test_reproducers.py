@@ -143,3 +143,39 @@ def test_the_cap_is_an_option_of_check(capsys: pytest.CaptureFixture[str], tmp_p
     out, err = capsys.readouterr()
     assert code == 1 and "reproducer: " in out, out + err
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]  # no tensor is stored under a cap of 0
+
+
+WRONG_KERNEL = '''from mla_verify.backends.cpu_peer import cpu_peer_decode
+
+
+def decode(*args, bmm1_scale=1.0, **kwargs):
+    return cpu_peer_decode(*args, bmm1_scale=bmm1_scale * 1.25, **kwargs)  # the softmax scale is off
+
+
+decode.mla_verify_envelope = {"devices": ["cpu"], "page_sizes": [16], "dims": [[256, 64]], "heads": [1, 2],
+                              "q_len": [1, 2], "max_batch": 2, "max_seq_len": 40}
+'''
+
+
+@pytest.mark.parametrize("target", ["moved_kernel:decode", "kernels/moved_kernel.py:decode"])
+def test_a_user_kernels_reproducer_replays_from_any_directory(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    made, elsewhere = tmp_path / "made", tmp_path / "elsewhere"
+    (made / "kernels").mkdir(parents=True)
+    elsewhere.mkdir()
+    for folder in (made, made / "kernels"):
+        (folder / "moved_kernel.py").write_text(WRONG_KERNEL)
+    monkeypatch.chdir(made)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))  # the kernel's module is forgotten after the test
+    assert main(["check", "--kernel", target, "--device", "cpu", "--profile", "dev", "--max-examples", "5"]) == 1
+    fixture = next((made / "fixtures" / "regressions").glob("*.json"))
+    # as a new process in another directory: the kernel's module and its folder are unknown there
+    for name in [n for n in sys.modules if n == "moved_kernel" or n.startswith("mla_verify_user_kernel_")]:
+        del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) not in (str(made), str(made / "kernels"))]
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    code = main(["replay", str(fixture)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "verdict: FAIL (recorded: FAIL)" in out, out + err

@@ -181,6 +181,9 @@ def test_a_kernel_file_is_loaded_by_path(kernel_dir: Path, monkeypatch: pytest.M
     ("import not_installed_anywhere\n", "bad_file:decode",
      "importing kernel module 'bad_file' failed: ModuleNotFoundError: No module named 'not_installed_anywhere'"),
     ("x = 1\n", "bad_file.py:decode", "kernel 'bad_file.py:decode': 'bad_file.py' has no attribute 'decode'"),
+    ("def decode(*args):\n    pass\n", "bad_file.py:decod",
+     "'bad_file.py' has no attribute 'decod' (did you mean 'decode'?)"),
+    (None, "user_decod:decode", "kernel module 'user_decod' (did you mean 'user_decode'?) not found"),
     (None, "user_decode.py:", "--kernel expects MODULE:ATTR or path/to/file.py:ATTR"),
     (None, "user decode:decode", "is neither a module name nor a path to a .py file"),
 ])
@@ -190,6 +193,14 @@ def test_file_and_module_errors_are_one_line(kernel_dir: Path, write: str | None
     with pytest.raises(UsageError) as err:
         load_kernel(target)
     assert complaint in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("target", ["bad_syntax.py:decode", "bad_syntax:decode"])
+def test_a_syntax_error_is_reported_at_the_kernels_file_and_line(kernel_dir: Path, target: str) -> None:
+    (kernel_dir / "bad_syntax.py").write_text("import torch\n\ndef decode(:\n    pass\n")
+    with pytest.raises(UsageError) as err:
+        load_kernel(target)
+    assert str(err.value).endswith(f"SyntaxError: invalid syntax at {kernel_dir / 'bad_syntax.py'}:3"), err.value
 
 
 RAISES_IN_TORCH = '''

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from ..core.errors import UsageError
+from ..core.errors import UsageError, did_you_mean
 from .base import Backend, Envelope, PreparedCall
 
 ENTRY_POINT_GROUP = "mla_verify.backends"
@@ -63,7 +63,7 @@ def all_backends() -> dict[str, Backend]:
 def get_backend(name: str) -> Backend:
     registry = all_backends()
     if name not in registry:
-        raise UsageError(f"unknown backend '{name}'; known: {', '.join(registry)}")
+        raise UsageError(f"unknown backend '{name}'{did_you_mean(name, registry)}; known: {', '.join(registry)}")
     return registry[name]
 
 

@@ -52,6 +52,9 @@ class Backend(ABC):
     name: str
     envelope: Envelope
     description: str = ""
+    # a user kernel's file ("file") and the folder its module is imported from ("sys_path"): reproducers
+    # record it, so that replay finds the kernel from any directory (user_kernel.load_kernel)
+    source: dict[str, str] | None = None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` at all (library, architecture), or None."""

@@ -14,13 +14,14 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import pkgutil
 import re
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ..core.errors import UsageError
+from ..core.errors import UsageError, did_you_mean
 from ..core.tracebacks import exception_line
 from ..problems.generate import DTYPES
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
@@ -88,7 +89,8 @@ def envelope_from_overrides(overrides: Any, base: Envelope = TRTLLM_ENVELOPE, ow
                          f"got {type(overrides).__name__}")
     unknown = sorted(set(overrides) - set(_FIELDS))
     if unknown:
-        raise UsageError(f"{owner}: unknown envelope field(s) {unknown}; known: {', '.join(_FIELDS)}")
+        raise UsageError(f"{owner}: unknown envelope field(s) {unknown}{did_you_mean(unknown[0], _FIELDS)}; "
+                         f"known: {', '.join(_FIELDS)}")
     for name, value in overrides.items():
         check, expected = _FIELDS[name]
         if not check(value):
@@ -96,35 +98,58 @@ def envelope_from_overrides(overrides: Any, base: Envelope = TRTLLM_ENVELOPE, ow
     return base.narrowed(**{k: _tupled(v) for k, v in overrides.items()})
 
 
-def load_kernel(target: str, flag: str = "--kernel") -> TrtllmStyleBackend:
+def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> TrtllmStyleBackend:
     """``"pkg.mod:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> a backend calling that callable.
 
     A module is found as ``python -m`` finds it: the current directory first, then sys.path. A file is run as
     a module of its own, its directory first on sys.path (as ``python path/to/file.py`` has it), so it can
-    import the files beside it. Every error is a one-line UsageError naming ``flag``.
+    import the files beside it. ``recorded`` is a reproducer's ``Backend.source``: the recorded file, and the
+    module's recorded folder first on sys.path, so a replay finds the kernel from any directory. Every error
+    is a one-line UsageError naming ``flag``.
     """
-    return kernel_backend(resolve_kernel(target, flag)[2], target)
+    module, _, fn = resolve_kernel(target, flag, recorded)
+    backend = kernel_backend(fn, target)
+    backend.source = _source_of(target.rpartition(":")[0], module)
+    return backend
 
 
-def resolve_kernel(target: str, flag: str = "--kernel") -> tuple[ModuleType, str, Any]:
+def resolve_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> tuple[ModuleType, str, Any]:
     """(module imported, dotted attribute path, the object) for ``target`` as ``load_kernel`` reads it."""
     source, _, attr_path = target.rpartition(":")  # rpartition: a Windows path has a drive colon
     if not source or not _ATTR_PATH.fullmatch(attr_path):
         raise UsageError(f"{flag} expects MODULE:ATTR or path/to/file.py:ATTR "
                          f"(e.g. my_pkg.kernels:decode or kernels.py:decode), got {target!r}")
+    # a hand-edited reproducer may hold anything: only strings are taken from it
+    where = {k: v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
     obj: Any
     if _is_path(source):
-        obj = _import_file(source, flag)
+        obj = _import_file(where["file"] if os.path.isfile(where.get("file", "")) else source, flag)
     elif _MODULE.fullmatch(source):
-        obj = _import_module(source, flag)
+        obj = _import_module(source, flag, where.get("sys_path"))
     else:
         raise UsageError(f"{flag}: {source!r} is neither a module name nor a path to a .py file")
     module, owner = obj, source
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"kernel '{target}': '{owner}' has no attribute '{part}'")
+            names = [n for n in dir(obj) if not n.startswith("__")]
+            raise UsageError(f"kernel '{target}': '{owner}' has no attribute '{part}'{did_you_mean(part, names)}")
         obj, owner = getattr(obj, part), part
     return module, attr_path, obj
+
+
+def _source_of(source: str, module: ModuleType) -> dict[str, str] | None:
+    """Where a kernel's module was loaded from (Backend.source); None for a module without a file."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    path = os.path.abspath(file)
+    if _is_path(source):
+        return {"file": path}
+    package = os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
+    root = package
+    for _ in source.split("."):  # pkg.mod from ROOT/pkg/mod.py: up one folder per dotted part
+        root = os.path.dirname(root)
+    return {"file": path, "sys_path": root}
 
 
 def kernel_backend(fn: Any, name: str) -> TrtllmStyleBackend:
@@ -153,14 +178,19 @@ def _first_on_sys_path(directory: str) -> None:
         sys.path.insert(0, here)
 
 
-def _import_module(name: str, flag: str) -> ModuleType:
+def _import_module(name: str, flag: str, recorded_dir: str | None = None) -> ModuleType:
     _first_on_sys_path(os.curdir)
+    if recorded_dir is not None and sys.path[0] != recorded_dir:
+        sys.path.insert(0, recorded_dir)  # before the current directory: the recorded kernel, not a namesake
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UsageError(f"{flag}: kernel module '{name}' not found in the current directory "
-                             f"({os.getcwd()}) or on sys.path; a file is given as path/to/file.py:ATTR") from None
+            recorded = f", in {recorded_dir} (where the reproducer recorded it)" if recorded_dir else ""
+            nearby = did_you_mean(name, (m.name for m in pkgutil.iter_modules([os.curdir])))
+            raise UsageError(f"{flag}: kernel module '{name}'{nearby} not found in the current directory "
+                             f"({os.getcwd()}){recorded} or on sys.path; a file is given as path/to/file.py:ATTR"
+                             ) from None
         raise UsageError(f"{flag}: importing kernel module '{name}' failed: {exception_line(exc)}") from None
     except (Exception, SystemExit) as exc:  # a module that fails (or exits) while importing: one line
         raise UsageError(f"{flag}: importing kernel module '{name}' failed: {exception_line(exc)}") from None

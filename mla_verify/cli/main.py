@@ -193,9 +193,10 @@ def cmd_check(ns: argparse.Namespace) -> int:
             break
 
     fixtures = {}
+    sources = {b.name: b.source for b, _ in backends}
     for r in results:
         if r.failure is not None and r.failure.problem is not None:
-            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib)
+            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib, sources.get(r.backend))
             if saved is not None:
                 fixtures[r.backend] = str(saved)
     for r in results:
@@ -279,7 +280,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if ns.kernel:
         backend = load_kernel(ns.kernel)
     elif name:
-        backend = load_kernel(name) if ":" in name else get_backend(name)  # a --kernel run records MODULE:ATTR
+        # a --kernel run records MODULE:ATTR, and where it was loaded from
+        backend = load_kernel(name, recorded=fx.meta.get("kernel_source")) if ":" in name else get_backend(name)
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
     device = ns.device or _replay_device(fx.meta.get("source_device"))

@@ -1,4 +1,8 @@
 """The suite's own error types: every message is one line that names what is wrong."""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 
 class MLAVerifyError(Exception):
@@ -15,3 +19,9 @@ class UsageError(MLAVerifyError):
 
 class FixtureError(MLAVerifyError):
     """A fixture is missing, unreadable, tampered with or not in our format."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` naming the closest of ``choices`` to a misspelt ``word``; empty when none is."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -49,6 +49,10 @@ def exception_line(exc: BaseException, located: bool = True) -> str:
     """``Type: first line of the message at file.py:LINE in function`` (without the place unless ``located``)."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
+    if isinstance(exc, SyntaxError) and exc.filename and not exc.filename.startswith("<"):
+        # the error lies in the file being compiled, not in a frame: its traceback ends in importlib
+        where = f" at {exc.filename}:{exc.lineno}" if located else ""
+        return f"{type(exc).__name__}: {exc.msg}{where}"
     frame = user_frame(exc.__traceback__) if located else None
     where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}" if frame else ""
     return f"{type(exc).__name__}{': ' + first if first else ''}{where}"

@@ -12,17 +12,21 @@ if TYPE_CHECKING:
 DEFAULT_FIXTURES_DIR = Path("fixtures") / "regressions"  # under the current directory
 
 
-def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = None) -> Path | None:
+def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = None,
+                    source: dict[str, str] | None = None) -> Path | None:
     """The minimal failing case as a fixture of at most ``max_mib`` MiB (default
     fixtures.DEFAULT_MAX_REPRODUCER_MIB; fixtures.write_reproducer: its spec, layout and verdict, the kernel's
-    output summarised, tensors only where the spec cannot rebuild them). None (said on stderr) when it cannot
-    be written: the discrepancy still stands, only its reproducer is lost."""
+    output summarised, tensors only where the spec cannot rebuild them) and, for a user kernel, ``source``:
+    where it was loaded from (Backend.source), so that replay finds it from any directory. None (said on
+    stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost."""
     from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, write_reproducer
 
     meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
             "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,
             "reason": case.reason, "failures": case.failures, "diagnosis": case.diagnosis,
             "stats": None if case.stats is None else case.stats.to_json(), "description": case.describe()}
+    if source is not None:
+        meta["kernel_source"] = source
     assert case.problem is not None  # a failure keeps its problem (harness.py)
     cap = DEFAULT_MAX_REPRODUCER_MIB if max_mib is None else max_mib
     try:

@@ -43,7 +43,8 @@ def output_paths(json_path: Path) -> dict[str, Path]:
 
 
 def check_report_path(value: str) -> Path:
-    """Validate ``--report`` before anything runs: the JSON path, in a directory we can write to."""
+    """Validate ``--report`` before anything runs: the JSON path, in a directory we can write to (or can
+    create: ``write_report`` creates it, once the run is over)."""
     path = Path(value)
     if path.suffix in (".xml", ".md", ".html", ".svg"):
         raise UsageError(f"--report takes the JSON path (e.g. {path.with_suffix('.json')}); "
@@ -51,8 +52,6 @@ def check_report_path(value: str) -> Path:
     for p in output_paths(path).values():
         if p.is_dir():
             raise UsageError(f"--report: {p} is a directory")
-    if not path.parent.exists():
-        raise UsageError(f"--report: directory {path.parent} does not exist")
     check_writable_dir(path.parent, "--report")
     return path
 
@@ -60,6 +59,7 @@ def check_report_path(value: str) -> Path:
 def write_report(path: Path, report: dict[str, Any]) -> list[Path]:
     """Write the JSON record and render the rest beside it; returns every path written."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
     except OSError as e:  # checked writable before the run; a full disk or lost permission since
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None

@@ -17,7 +17,8 @@ LOG_EVERY_S = 30.0
 
 
 class Progress:
-    """Counts of one backend's cases; ``start``/``update`` are the engine's on_start/on_case hooks."""
+    """Counts of one backend's distinct cases, each by its first verdict, as the summary and the report count
+    them (shrinking revisits cases); ``start``/``update`` are the engine's on_start/on_case hooks."""
 
     REDRAW_S = 0.1
 
@@ -26,6 +27,7 @@ class Progress:
         self.live = self.stream.isatty()
         self.name, self.minutes, self.total = name, minutes, total
         self.counts = {"pass": 0, "fail": 0, "skip": 0}
+        self.seen: set[str] = set()  # ids of the cases counted
         self.started = self.last = self.logged = time.monotonic()
         self.case: str | None = None  # the case running now
         self.case_started = 0.0
@@ -45,7 +47,9 @@ class Progress:
     def update(self, result: Any) -> None:
         with self._lock:
             self.case = None
-            self.counts[result.verdict] = self.counts.get(result.verdict, 0) + 1
+            if result.id not in self.seen:
+                self.seen.add(result.id)
+                self.counts[result.verdict] = self.counts.get(result.verdict, 0) + 1
             now = time.monotonic()
             if self.live and now - self.last >= self.REDRAW_S:
                 self._draw(now)
@@ -54,7 +58,8 @@ class Progress:
         """The counts line (and, while a case has run over a second, which one and for how long)."""
         c = self.counts
         done = sum(c.values())
-        text = (f"{self.name}: {done}{f' of <= {self.total}' if self.total else ''} cases, {c['fail']} failing, "
+        text = (f"{self.name}: {done}{f' of <= {self.total}' if self.total else ''} distinct cases, "
+                f"{c['fail']} failing, "
                 f"{c['skip']} skipped, {now - self.started:.0f} s")
         if self.minutes:
             frac = min(1.0, (now - self.started) / (60 * self.minutes))
