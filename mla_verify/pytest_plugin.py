@@ -223,6 +223,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         items.append(KernelItem.from_parent(session, name=name, nodeid=name, shard=Shard(k, count)))
 
 
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """pytest's "collected N items" counts the files' tests only: say that the kernel's were added to them."""
+    added = sum(isinstance(item, KernelItem) for item in items)
+    if not added:
+        return []
+    return [f"mla-verify: --mla-kernel {config.stash[_OPTIONS_KEY].kernel} adds {added} test{'s' * (added != 1)}, "
+            f"not counted above: {len(items)} to run"]
+
+
 def uses_device(item: pytest.Item) -> bool:
     """Tests that run on this worker's device: those asking for ``mla_device`` and those marked ``gpu``."""
     return "mla_device" in getattr(item, "fixturenames", ()) or item.get_closest_marker("gpu") is not None
@@ -255,6 +264,9 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
         node.config.stash[_SLOTS_KEY].release(node.gateway.id)
 
 
+NEEDS_GPU = "skipped (need a GPU)"  # a DeviceTally outcome: a device test skipped on a CPU worker for want of one
+
+
 class DeviceTally:
     """Counts the device tests (see ``uses_device``) each worker ran and prints them in the terminal summary.
 
@@ -271,6 +283,8 @@ class DeviceTally:
             return
         if report.when == "call" or (report.when == "setup" and not report.passed):
             outcome = "error" if report.when == "setup" and report.failed else report.outcome
+            if outcome == "skipped" and _needs_gpu(report, str(props["mla_device"])):
+                outcome = NEEDS_GPU
             self.counts[(str(props["mla_worker"]), str(props["mla_device"]), outcome)] += 1
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -280,10 +294,27 @@ class DeviceTally:
                 terminalreporter.write_line(line)
 
 
+def _needs_gpu(report: pytest.TestReport, device: str) -> bool:
+    """A test skipped on a CPU worker because it needs a GPU: marked gpu, or its reason asks for CUDA."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return device.startswith("cpu") and ("gpu" in report.keywords or "cuda" in reason.lower())
+
+
 def summary_lines(counts: Counter[tuple[str, str, str]]) -> list[str]:
-    """One line per worker (its device and outcomes), then one per device (its tests and how many workers)."""
+    """One line per worker (its device and outcomes), then one per device: its device tests (a part of the
+    run's tests: those on a worker's device), how many workers, how many ran and how many were skipped (why)."""
     def detail(outcomes: Counter[str]) -> str:
         return ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
+
+    def ran_and_skipped(outcomes: Counter[str]) -> str:
+        ran = Counter({o: n for o, n in outcomes.items() if o not in ("skipped", NEEDS_GPU)})
+        parts = [f"{sum(ran.values())} ran" + (f" ({detail(ran)})" if set(ran) - {"passed"} else "")]
+        skipped, no_gpu = outcomes["skipped"] + outcomes[NEEDS_GPU], outcomes[NEEDS_GPU]
+        if skipped:
+            why = "need a GPU" if no_gpu == skipped else f"{no_gpu} need a GPU, {skipped - no_gpu} other" if no_gpu \
+                else ""
+            parts.append(f"{skipped} skipped" + (f" ({why})" if why else ""))
+        return ", ".join(parts)
 
     per_worker: dict[tuple[str, str], Counter[str]] = {}
     per_device: dict[str, Counter[str]] = {}
@@ -294,8 +325,9 @@ def summary_lines(counts: Counter[tuple[str, str, str]]) -> list[str]:
              for (worker, device), outcomes in sorted(per_worker.items(), key=lambda kv: _natural(kv[0][0]))]
     for device, outcomes in sorted(per_device.items(), key=lambda kv: _natural(kv[0])):
         workers = sum(1 for _, d in per_worker if d == device)
-        lines.append(f"mla-verify: {device}: {sum(outcomes.values())} tests ({detail(outcomes)}) "
-                     f"on {workers} worker(s)")
+        total = sum(outcomes.values())
+        lines.append(f"mla-verify: {device}: {total} device test{'s' * (total != 1)} (using mla_device or marked "
+                     f"gpu) on {workers} worker{'s' * (workers != 1)}: {ran_and_skipped(outcomes)}")
     return lines
 
 

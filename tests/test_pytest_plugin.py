@@ -111,14 +111,19 @@ def test_summary_counts_each_outcome_of_device_tests_only(pytester, clean_env):
         def test_error(mla_device, broken): pass
         @pytest.mark.gpu
         def test_marked_gpu(): pass  # counted without asking for mla_device
+        @pytest.mark.gpu
+        def test_gpu_skip(): pytest.skip("no GPU visible")
+        def test_backend_skip(mla_device): pytest.skip("fa3: runs on cuda devices, not cpu")
         def test_no_device(): pass
     """)
     result = pytester.runpytest(*QUIET, "--mla-device", "cpu")
-    result.assert_outcomes(passed=3, failed=1, skipped=1, errors=1)
+    result.assert_outcomes(passed=3, failed=1, skipped=3, errors=1)
     result.stdout.fnmatch_lines([
         "*- mla-verify devices -*",
-        "mla-verify: main -> cpu: 1 error, 1 failed, 2 passed, 1 skipped",
-        "mla-verify: cpu: 5 tests (1 error, 1 failed, 2 passed, 1 skipped) on 1 worker(s)",
+        "mla-verify: main -> cpu: 1 error, 1 failed, 2 passed, 1 skipped, 2 skipped (need a GPU)",
+        # said so that it cannot be read as the run's total: 8 tests, of which 7 are device tests
+        "mla-verify: cpu: 7 device tests (using mla_device or marked gpu) on 1 worker: "
+        "4 ran (1 error, 1 failed, 2 passed), 3 skipped (2 need a GPU, 1 other)",
     ])
 
 
@@ -188,8 +193,10 @@ def test_two_workers_two_simulated_gpus_and_a_crash(pytester, clean_env):
         "mla-verify: gw0 -> cuda:0 (simulated): 3 passed, 1 skipped",
         "mla-verify: gw1 -> cuda:1 (simulated): 1 passed, 1 skipped",
         "mla-verify: gw2 -> cuda:1 (simulated): 1 passed",
-        "mla-verify: cuda:0 (simulated): 4 tests (3 passed, 1 skipped) on 1 worker(s)",
-        "mla-verify: cuda:1 (simulated): 3 tests (2 passed, 1 skipped) on 2 worker(s)",
+        "mla-verify: cuda:0 (simulated): 4 device tests (using mla_device or marked gpu) on 1 worker: "
+        "3 ran, 1 skipped",
+        "mla-verify: cuda:1 (simulated): 3 device tests (using mla_device or marked gpu) on 2 workers: "
+        "2 ran, 1 skipped",
     ])
 
 
@@ -200,8 +207,9 @@ def test_summary_orders_workers_and_devices_numerically():
         "mla-verify: gw1 -> cuda:2: 1 failed",
         "mla-verify: gw2 -> cuda:2: 2 passed",
         "mla-verify: gw10 -> cuda:10: 1 passed",
-        "mla-verify: cuda:2: 3 tests (1 failed, 2 passed) on 2 worker(s)",
-        "mla-verify: cuda:10: 1 tests (1 passed) on 1 worker(s)",
+        "mla-verify: cuda:2: 3 device tests (using mla_device or marked gpu) on 2 workers: "
+        "3 ran (1 failed, 2 passed)",
+        "mla-verify: cuda:10: 1 device test (using mla_device or marked gpu) on 1 worker: 1 ran",
     ]
 
 
