@@ -282,7 +282,7 @@ class DeviceTally:
         if "mla_device" not in props:
             return
         if report.when == "call" or (report.when == "setup" and not report.passed):
-            outcome = "error" if report.when == "setup" and report.failed else report.outcome
+            outcome: str = "error" if report.when == "setup" and report.failed else report.outcome
             if outcome == "skipped" and _needs_gpu(report, str(props["mla_device"])):
                 outcome = NEEDS_GPU
             self.counts[(str(props["mla_worker"]), str(props["mla_device"]), outcome)] += 1
