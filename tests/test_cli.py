@@ -84,7 +84,6 @@ INVALID = {
     "non-numeric seed": ["check", "--seed", "twelve"],
     "negative seed": ["check", "--seed", "-3"],
     "bad hypothesis-db URL": ["check", "--hypothesis-db", "ftp://host/0"],
-    "report in a missing directory": ["check", "--kernel", GOOD, "--report", "{tmp}/missing/dir/r.json"],
     "report under a file": ["check", "--kernel", GOOD, "--report", "{tmp}/fx/case.json/r.json"],
     "fixtures dir under a file": ["check", "--kernel", GOOD, "--fixtures-dir", "{tmp}/fx/case.json/regressions"],
     "negative reproducer cap": ["check", "--max-reproducer-mib", "-1"],
