@@ -11,14 +11,19 @@ from packaging.specifiers import SpecifierSet
 
 from mla_verify.cli import main as cli
 from mla_verify.core import platform
+from mla_verify.core.errors import UsageError
 from mla_verify.core.platform import FLASHINFER_RANGE, flashinfer_range_note
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_range_is_pyproject_s_flashinfer_requirement() -> None:
-    required, = re.findall(r'^\s*"flashinfer-python([^"]*)"', (ROOT / "pyproject.toml").read_text(), re.M)
+def test_the_range_is_pyproject_s_flashinfer_extra_and_the_core_does_not_need_it() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    required, = re.findall(r'^flashinfer = \["flashinfer-python([^"]*)"\]', text, re.M)
     assert SpecifierSet(required) == SpecifierSet(FLASHINFER_RANGE)
+    core = text.split("[project.optional-dependencies]")[0]
+    assert "flashinfer" not in core.split("dependencies = [")[1].split("]")[0]
+    assert re.search(r'^test = \["mla-verify\[flashinfer\]"', text, re.M)  # the README's install gets it
 
 
 @pytest.mark.parametrize("version", ["0.7.4", "0.7.5rc1", "0.7.9.post2", None])
@@ -51,3 +56,23 @@ def test_a_flashinfer_that_does_not_import_is_every_flashinfer_backend_s_reason(
     for name in ("fa2", "fa3", "flashinfer-swa"):
         reason = get_backend(name).unavailable_reason(torch.device("cuda"))
         assert reason == "flashinfer cannot be imported (ImportError: libcudart.so.13: cannot open)", name
+
+
+def test_a_missing_flashinfer_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from mla_verify.backends import get_backend
+
+    monkeypatch.setattr(platform, "flashinfer_installed", lambda: False)
+    monkeypatch.setattr(platform, "flashinfer_version", lambda: None)
+    assert cli.main(["doctor"]) == 0
+    line, = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("flashinfer ")]
+    assert line == f"flashinfer not installed (its backends need it: {platform.FLASHINFER_INSTALL})"
+    assert platform.FLASHINFER_INSTALL == "pip install 'mla-verify[flashinfer]'"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for name in ("fa2", "fa3", "fa-auto", "flashinfer-swa"):
+        reason = get_backend(name).unavailable_reason(torch.device("cuda"))
+        assert reason is not None and reason.endswith(platform.FLASHINFER_INSTALL), (name, reason)
+    with pytest.raises(UsageError, match=re.escape(f"fa3 cannot run on cuda: FlashInfer is not installed: "
+                                                   f"{platform.FLASHINFER_INSTALL}")):
+        cli._select_backends(None, ["fa3"], torch.device("cuda"))  # check's one line for a named backend

@@ -7,7 +7,7 @@ harness calls ``PreparedCall.invoke`` and maps the result to canonical form with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 
-__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "device_reason"]
+__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "WarmupModule", "device_reason"]
 
 
 @dataclass
@@ -48,6 +48,21 @@ class PreparedCall:
         return out if self.output_scale == 1.0 else out.to(torch.float64) * self.output_scale
 
 
+@dataclass(frozen=True)
+class WarmupModule:
+    """A compiled module a backend's cases load, made ready before the first case (run/warmup.py).
+
+    ``build`` takes every pending module of one library at once (so that library's tool, e.g. ninja, spreads
+    the compiles over the host's cores); builders of different libraries run side by side. ``load`` then brings
+    the built module into this process. Modules are keyed by ``name``: one shared by two backends is made once.
+    """
+
+    name: str
+    spec: Any  # what ``build`` compiles (FlashInfer: a JitSpec)
+    build: Callable[[Sequence[Any]], None]
+    load: Callable[[], Any]
+
+
 class Backend(ABC):
     name: str
     envelope: Envelope
@@ -63,6 +78,11 @@ class Backend(ABC):
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
         """Checked before any kernel is touched: None when this backend can run (spec, layout) on device."""
         return self.unavailable_reason(device) or self.envelope.why_not(spec, layout)
+
+    def warmup(self, device: torch.device) -> list[WarmupModule]:
+        """The modules this backend's cases on ``device`` can load, made ready before the first case. None by
+        default: a kernel handed over already compiled (a user's, the CPU peer) has nothing to warm."""
+        return []
 
     @abstractmethod
     def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:

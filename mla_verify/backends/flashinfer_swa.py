@@ -21,7 +21,8 @@ from ..core.platform import flashinfer_unavailable, flashinfer_version
 from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, trtllm_args
 from ..problems.problem import DecodeProblem
-from .base import Backend, Envelope, PreparedCall
+from .base import Backend, Envelope, PreparedCall, WarmupModule
+from .flashinfer_jit import swa_module
 
 SWA_FUNCTION = "batch_decode_with_kv_cache_mla_swa"
 SWA_WINDOW = 512  # the only window_left FlashInfer 0.7.4 qualifies
@@ -66,6 +67,9 @@ class FlashInferSwaBackend(Backend):
                 reason = (f"flashinfer {flashinfer_version()} has no flashinfer.mla.{SWA_FUNCTION} "
                           "(0.7.4 has it)")
         return reason
+
+    def warmup(self, device: torch.device) -> list[WarmupModule]:
+        return [swa_module()]
 
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
         reason = super().why_not(spec, layout, device)

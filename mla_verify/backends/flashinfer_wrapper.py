@@ -32,7 +32,8 @@ from ..core.platform import flashinfer_unavailable
 from ..problems.generate import DTYPES, ProblemSpec
 from ..problems.layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
 from ..problems.problem import FP8, DecodeProblem
-from .base import Backend, Envelope, PreparedCall
+from .base import Backend, Envelope, PreparedCall, WarmupModule
+from .flashinfer_jit import fa_module
 from .flashinfer_trtllm import BLACKWELL_DC, SM12X
 
 FA_HOPPER = ((9, 0),)
@@ -128,6 +129,15 @@ class FlashInferWrapperBackend(Backend):
             except ValueError as exc:  # FlashInfer's _BackendPlanUnsupportedError is a ValueError
                 reason = f"FlashInfer's {self.path.fi_backend} planner refuses it: {exc}"
         return reason
+
+    def warmup(self, device: torch.device) -> list[WarmupModule]:
+        """The fa2/fa3 modules of every (dtype, dims) the envelope draws; auto's are both candidates'."""
+        sm90 = torch.cuda.get_device_capability(device) in FA_HOPPER
+        kernels = AUTO_FA_CANDIDATES if self.path.resolves else (self.path.fi_backend,)
+        env = self.envelope
+        return [fa_module(k, DTYPES[dtype], rank, rope) for k in kernels if k in ("fa2", "fa3")
+                if k == "fa2" or sm90 for dtype in env.dtypes if dtype != "fp8" or sm90  # fp8 cache: SM90 only
+                for rank, rope in env.dims_for(dtype)]
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         if device not in self._workspaces:  # FA needs ~17 MiB of split partials on an H200; 128 MiB is usual

@@ -151,6 +151,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run import stage_times, watchdog
     from ..run.engine import verify
     from ..run.progress import Progress
+    from ..run.warmup import warm_up
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -173,6 +174,11 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for backend, reason in backends:
         if reason is not None:
             print(f"skipped {backend.name}: {reason}", flush=True)
+    warmup = warm_up([b for b, reason in backends if reason is None], device)
+    if warmup.modules or warmup.failures:
+        print(f"warm-up: {warmup.describe()}", flush=True)
+        for line in warmup.failures:
+            print(f"  warm-up failed: {line}", flush=True)
     for backend, reason in backends:
         if reason is not None:
             results.append(verify(backend, device, profile))  # records the backend as unavailable
@@ -207,6 +213,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
                "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2),
                "interrupted": any(r.interrupted for r in results),
+               **warmup.run_fields(),
                "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
         report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
         print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import platform as _platform
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +49,8 @@ class PlatformInfo:
 
     def flashinfer_text(self) -> str:
         """The FlashInfer version, whether it is outside the supported range, and why it fails to import."""
+        if self.flashinfer is None and not flashinfer_installed():
+            return f"not installed (its backends need it: {FLASHINFER_INSTALL})"
         notes = [flashinfer_range_note(self.flashinfer),
                  self.flashinfer_error and f"import fails: {self.flashinfer_error}"]
         return (self.flashinfer or "not installed") + "".join(f" ({n})" for n in notes if n)
@@ -118,8 +121,19 @@ def flashinfer_import_error() -> str | None:
     return import_error("flashinfer")
 
 
+# FlashInfer is an extra (pyproject.toml): the core package, user kernels and the CPU peer run without it
+FLASHINFER_INSTALL = "pip install 'mla-verify[flashinfer]'"
+
+
+def flashinfer_installed() -> bool:
+    """Whether a ``flashinfer`` package is on the path (installed, or put there as the GPU bundle does)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def flashinfer_unavailable() -> str | None:
     """A FlashInfer backend's reason not to run when FlashInfer cannot be imported; None when it can."""
+    if not flashinfer_installed():
+        return f"FlashInfer is not installed: {FLASHINFER_INSTALL}"
     error = flashinfer_import_error()
     return None if error is None else f"flashinfer cannot be imported ({error})"
 

@@ -12,7 +12,8 @@ from typing import Any
 WARMUP = "warmup"  # the stage name a warm-up phase would carry among the per-case means
 SETTINGS = {"command": "command", "device": "device", "profile": "profile", "seed": "seed",
             "max_examples": "drawn cases per backend", "minutes": "minutes per backend", "seconds": "wall time",
-            "interrupted": "interrupted"}
+            "interrupted": "interrupted", "warmup": "warm-up, before the first case (run/warmup.py)",
+            "warmup_s": "warm-up time", "warmup_failures": "warm-up failures"}
 SECONDS_KEYS = ("seconds", "_s")  # keys holding seconds get an "s" unit
 
 

@@ -1,0 +1,191 @@
+"""The warm-up phase (run/warmup.py) with fake backends: what they declare is built once per builder, the
+builders side by side, then loaded; it runs once, before `check`'s first case; its time is reported apart
+from the cases'; a failure is a line, not a traceback. No compiler is involved: the builders are stubs."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from mla_verify.backends.base import WarmupModule
+from mla_verify.backends.trtllm_style import TrtllmStyleBackend
+from mla_verify.backends.user_kernel import load_kernel
+from mla_verify.cli.main import main
+from mla_verify.run import engine
+from mla_verify.run.warmup import warm_up
+
+CPU = torch.device("cpu")
+GOOD = "cli_kernels:good"  # tests/cli_kernels.py: a tiny envelope, cases of milliseconds
+FAST = ["--device", "cpu", "--profile", "dev", "--max-examples", "3"]
+
+
+class Journal:
+    """Fake builders and loaders that log what ran, when, and with which modules."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def log(self, what: str, detail: Any) -> None:
+        with self.lock:
+            self.events.append((what, detail))
+
+    def builder(self, library: str, barrier: threading.Barrier | None = None,
+                error: Exception | None = None) -> Any:
+        def build(specs: Sequence[Any]) -> None:
+            self.log("build", (library, sorted(specs)))
+            if barrier is not None:
+                barrier.wait()  # returns only while the other library's builder is running too
+            if error is not None:
+                raise error
+        return build
+
+    def module(self, name: str, build: Any, load_error: Exception | None = None) -> WarmupModule:
+        def load() -> None:
+            self.log("load", name)
+            if load_error is not None:
+                raise load_error
+        return WarmupModule(name, f"spec:{name}", build, load)
+
+
+class Declaring:
+    """A stand-in backend: only a name and the modules it declares."""
+
+    def __init__(self, name: str, modules: list[WarmupModule] | Exception) -> None:
+        self.name, self.modules = name, modules
+
+    def warmup(self, device: torch.device) -> list[WarmupModule]:
+        if isinstance(self.modules, Exception):
+            raise self.modules
+        return self.modules
+
+
+def test_every_module_is_built_once_per_builder_and_then_loaded() -> None:
+    j = Journal()
+    ninja = j.builder("fi")
+    shared = j.module("fa2-bf16", ninja)
+    backends = [Declaring("fa2", [shared, j.module("fa2-fp8", ninja)]), Declaring("auto", [shared])]
+    result = warm_up(backends, CPU, io.StringIO())  # type: ignore[arg-type]
+    assert j.events[0] == ("build", ("fi", ["spec:fa2-bf16", "spec:fa2-fp8"]))  # one call, every module
+    assert sorted(e for e in j.events[1:]) == [("load", "fa2-bf16"), ("load", "fa2-fp8")]  # the shared one once
+    assert result.modules == 2 and result.failures == [] and result.backends == ["fa2", "auto"]
+    assert set(result.load_seconds) == {"fa2-bf16", "fa2-fp8"}
+
+
+def test_builders_of_different_libraries_run_side_by_side() -> None:
+    j = Journal()
+    barrier = threading.Barrier(2, timeout=10)  # one at a time, the first builder's wait would time out
+    a, b = j.builder("one", barrier), j.builder("two", barrier)
+    result = warm_up([Declaring("x", [j.module("m1", a)]), Declaring("y", [j.module("m2", b)])],  # type: ignore[list-item]
+                     CPU, io.StringIO())
+    assert result.failures == []
+    assert [e[0] for e in j.events].count("build") == 2
+
+
+def test_a_backend_that_declares_nothing_costs_nothing() -> None:
+    kernel = load_kernel(GOOD)
+    assert kernel.warmup(CPU) == []
+    result = warm_up([kernel], CPU, io.StringIO())
+    assert (result.modules, result.failures, result.backends) == (0, [], [])
+    assert result.describe() == "nothing to build"
+
+
+def test_failures_are_lines_and_the_rest_still_loads() -> None:
+    j = Journal()
+    broken = j.builder("broken", error=RuntimeError("ninja: build stopped: subcommand failed.\n[1/3] nvcc ..."))
+    fine = j.builder("fine")
+    backends = [Declaring("a", [j.module("bad-build", broken)]),
+                Declaring("b", [j.module("bad-load", fine, OSError("undefined symbol: _Z3run")),
+                                j.module("good", fine)]),
+                Declaring("c", ValueError("no such dtype"))]
+    result = warm_up(backends, CPU, io.StringIO())  # type: ignore[arg-type]
+    assert ("load", "bad-build") not in j.events and ("load", "good") in j.events
+    text = "\n".join(result.failures)
+    assert "building bad-build raised RuntimeError: ninja: build stopped: subcommand failed." in text
+    assert "bad-load: loading raised OSError: undefined symbol: _Z3run" in text
+    assert "c: declaring its modules raised ValueError: no such dtype" in text
+    assert all("\n" not in line for line in result.failures)
+    assert list(result.load_seconds) == ["good"]
+    assert result.describe().endswith("3 failed")
+
+
+@pytest.fixture
+def journal(monkeypatch: pytest.MonkeyPatch) -> Journal:
+    """``check --kernel`` whose kernel declares two modules; the journal also logs each case as it starts."""
+    j = Journal()
+
+    def slow_build(specs: Sequence[Any]) -> None:
+        j.builder("fake")(specs)
+        time.sleep(0.3)  # long enough to tell the phase's time apart from zero
+
+    modules = [j.module("mod-a", slow_build), j.module("mod-b", slow_build)]
+    monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: modules)
+    run_case = engine.run_case
+
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        j.log("case", None)
+        return run_case(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_case", logged)
+    return j
+
+
+def test_check_warms_up_once_before_the_first_case_and_reports_it_apart(journal: Journal, tmp_path, capsys) -> None:
+    report = tmp_path / "r.json"
+    assert main(["check", "--kernel", GOOD, *FAST, "--report", str(report)]) == 0
+    out, err = capsys.readouterr()
+    kinds = [e[0] for e in journal.events]
+    assert kinds[:3] == ["build", "load", "load"] and kinds.count("build") == 1 and "build" not in kinds[3:]
+    assert kinds.count("case") >= 3
+    line, = [ln for ln in out.splitlines() if ln.startswith("warm-up:")]
+    assert "2 module(s) for cli_kernels:good" in line
+    assert "warm-up: building 2 module(s)" in err
+    run = json.loads(report.read_text())["run"]
+    assert run["warmup"] == line.removeprefix("warm-up: ") and run["warmup_failures"] is None
+    assert run["warmup_s"] >= 0.3  # the fake build's sleep
+    backend, = json.loads(report.read_text())["backends"]
+    assert backend["seconds"] < run["seconds"] - run["warmup_s"] + 0.05  # the cases' time excludes it
+    page = report.with_suffix(".md").read_text()
+    assert "warm-up, before the first case" in page and run["warmup"] in page
+
+
+def test_a_failed_warm_up_is_a_line_and_the_cases_still_run(monkeypatch, capsys) -> None:
+    def broken(specs: Sequence[Any]) -> None:
+        raise RuntimeError("ninja: build stopped: subcommand failed.\nFAILED: batch_mla_run.cuda.o")
+
+    module = WarmupModule("mod-a", "spec", broken, lambda: None)
+    monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: [module])
+    assert main(["check", "--kernel", GOOD, *FAST]) == 0
+    out, err = capsys.readouterr()
+    assert "  warm-up failed: building mod-a raised RuntimeError: ninja: build stopped: subcommand failed." in out
+    assert "Traceback" not in out + err and "FAILED: batch_mla_run" not in out
+    assert "cli_kernels:good: PASS" in out
+
+
+def test_check_without_anything_to_warm_prints_no_warm_up_line(capsys) -> None:
+    assert main(["check", "--kernel", GOOD, *FAST]) == 0
+    assert "warm-up" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", [(9, 0), (8, 0)])
+def test_flashinfer_wrappers_declare_a_module_per_kernel_dtype_and_dims_they_can_draw(monkeypatch, arch) -> None:
+    from mla_verify.backends import flashinfer_wrapper, get_backend
+    from mla_verify.problems.generate import DTYPES
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: arch)
+    monkeypatch.setattr(flashinfer_wrapper, "fa_module", lambda *args: args)  # no FlashInfer code generation
+    cuda = torch.device("cuda")
+    declared = {name: set(get_backend(name).warmup(cuda)) for name in ("fa2", "fa3", "fa-auto")}
+    for name, kernels in (("fa2", {"fa2"}), ("fa3", {"fa3"}), ("fa-auto", {"fa2", "fa3"})):
+        env = get_backend(name).envelope
+        # what FlashInfer's planner takes on this arch: fa3 and an fp8 cache on SM90 only
+        drawable = {(k, DTYPES[dtype], *dims) for k in kernels if k == "fa2" or arch == (9, 0)
+                    for dtype in env.dtypes if dtype == "bf16" or arch == (9, 0) for dims in env.dims_for(dtype)}
+        assert declared[name] == drawable, name
+    assert declared["fa-auto"] == declared["fa2"] | declared["fa3"]  # auto runs one of the two: both are warmed
