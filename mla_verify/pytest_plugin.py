@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from .backends import all_backends
+from .backends import Backend, all_backends
 from .backends.user_kernel import load_kernel
 from .core.errors import UsageError, did_you_mean
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import PROFILES
 from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
-from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request
+from .run.warmup import WarmupResult, warm_up
+from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request, worker_threads
 
 # premerge is derandomized: a plain `pytest` run gives the same cases on any number of workers and GPUs.
 DEFAULT_PROFILE = "premerge"
@@ -36,6 +38,7 @@ pytest_plugins = ["mla_verify.pytest_shadow"]  # --mla-shadow: checks the MLA de
 _OPTIONS_KEY = pytest.StashKey["MLAOptions"]()
 _ASSIGNMENT_KEY = pytest.StashKey[Assignment]()
 _SLOTS_KEY = pytest.StashKey[SlotTable]()
+_WARMUP_KEY = pytest.StashKey[WarmupResult]()
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         config.stash[_SLOTS_KEY] = SlotTable()
         config.pluginmanager.register(DeviceTally(), "mla-verify-device-tally")
+    else:  # an xdist worker: its share of the cores, so `-n auto` is not slower than one process on CPU
+        threads = worker_threads(int(config.workerinput["workercount"]))
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 def worker_assignment(config: pytest.Config) -> Assignment:
@@ -247,6 +254,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if assignment.run_device != "cpu":
         torch.cuda.set_device(assignment.run_device)
     item.user_properties += [("mla_worker", assignment.worker), ("mla_device", assignment.label)]
+    if (isinstance(item, KernelItem) or "mla_shard" in getattr(item, "fixturenames", ())) \
+            and _WARMUP_KEY not in item.config.stash:
+        warmed = item.config.stash[_WARMUP_KEY] = _warm_up(item.config, torch.device(assignment.run_device))
+        if warmed.modules or warmed.failures:  # to the summary, through the report of this setup
+            item.user_properties.append(("mla_warmup", warmed.run_fields()))
+
+
+def _warm_up(config: pytest.Config, device: torch.device) -> WarmupResult:
+    """This process's warm-up (run/warmup.py), before its first verifying test: every module of the backends
+    the run verifies, or of ``--mla-kernel``'s."""
+    options = config.stash[_OPTIONS_KEY]
+    backends: list[Backend]
+    if options.kernel is not None:
+        backends = [load_kernel(options.kernel, "--mla-kernel")]
+    else:
+        backends = [b for name, b in all_backends().items() if not options.backends or name in options.backends]
+    return warm_up([b for b in backends if b.unavailable_reason(device) is None], device, sys.__stderr__)
 
 
 # --- controller side under xdist (optional hooks: xdist may not be installed) ---
@@ -276,11 +300,14 @@ class DeviceTally:
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, str]] = Counter()  # (worker, device label, outcome) -> tests
+        self.warmups: dict[tuple[str, str], Any] = {}  # (worker, device label) -> WarmupResult.run_fields()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(p for p in report.user_properties if len(p) == 2)
         if "mla_device" not in props:
             return
+        if "mla_warmup" in props:
+            self.warmups[(str(props["mla_worker"]), str(props["mla_device"]))] = props["mla_warmup"]
         if report.when == "call" or (report.when == "setup" and not report.passed):
             outcome: str = "error" if report.when == "setup" and report.failed else report.outcome
             if outcome == "skipped" and _needs_gpu(report, str(props["mla_device"])):
@@ -290,7 +317,7 @@ class DeviceTally:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.counts:
             terminalreporter.write_sep("-", "mla-verify devices")
-            for line in summary_lines(self.counts):
+            for line in summary_lines(self.counts) + warmup_lines(self.warmups):
                 terminalreporter.write_line(line)
 
 
@@ -298,6 +325,15 @@ def _needs_gpu(report: pytest.TestReport, device: str) -> bool:
     """A test skipped on a CPU worker because it needs a GPU: marked gpu, or its reason asks for CUDA."""
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     return device.startswith("cpu") and ("gpu" in report.keywords or "cuda" in reason.lower())
+
+
+def warmup_lines(warmups: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """Each worker's warm-up, apart from its tests' time, and each of its failures."""
+    lines = []
+    for (worker, device), warm in sorted(warmups.items(), key=lambda kv: _natural(kv[0][0])):
+        lines.append(f"mla-verify: warm-up on {worker} ({device}): {warm['warmup']}")
+        lines += [f"mla-verify:   warm-up failed: {f}" for f in warm["warmup_failures"] or ()]
+    return lines
 
 
 def summary_lines(counts: Counter[tuple[str, str, str]]) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,11 @@ import torch
 from benchmark_tools import load_benchmark
 
 from mla_verify import pytest_plugin
-from mla_verify.run.workers import FAKE_GPU_ENV
+from mla_verify.backends.base import WarmupModule
+from mla_verify.backends.trtllm_style import TrtllmStyleBackend
+from mla_verify.run.workers import FAKE_GPU_ENV, worker_threads
+
+TESTS = Path(__file__).resolve().parent
 
 pytest_plugins = ["pytester"]
 
@@ -172,6 +177,7 @@ def test_two_workers_two_simulated_gpus_and_a_crash(pytester, clean_env):
     replacement, so the counts below follow from this file alone.
     """
     clean_env.setenv(FAKE_GPU_ENV, "2")
+    clean_env.delenv("OMP_NUM_THREADS", raising=False)  # (.ci/run sets it) each worker takes half the cores
     pytester.makepyfile("""
         import os
         import pytest
@@ -180,6 +186,7 @@ def test_two_workers_two_simulated_gpus_and_a_crash(pytester, clean_env):
         def test_before(mla_device, mla_options):
             assert mla_device == torch.device("cpu")  # simulated GPUs run on the CPU
             assert mla_options.profile == "dev"  # options reach the workers
+            assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
         def test_skip(mla_device): pytest.skip("counted as skipped")
         def test_crash(mla_device):
             if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
@@ -198,6 +205,36 @@ def test_two_workers_two_simulated_gpus_and_a_crash(pytester, clean_env):
         "mla-verify: cuda:1 (simulated): 3 device tests (using mla_device or marked gpu) on 2 workers: "
         "2 ran, 1 skipped",
     ])
+
+
+@pytest.mark.parametrize("env, workers, cores, threads", [
+    ({}, 2, 2, 1), ({}, 3, 2, 1), ({}, 2, 16, 8), ({}, 1, 4, 4),
+    ({"OMP_NUM_THREADS": "3"}, 2, 16, None), ({"MKL_NUM_THREADS": "2"}, 2, 16, None)])
+def test_each_worker_gets_its_share_of_the_cores_unless_the_user_chose(env, workers, cores, threads):
+    assert worker_threads(workers, env, cores) == threads
+
+
+def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester, clean_env, monkeypatch):
+    built: list[list[str]] = []
+
+    def build(specs):
+        built.append(list(specs))
+        if specs == ["broken"]:
+            raise RuntimeError("nvcc: fatal error\nmore")
+
+    declared = [WarmupModule("mod-a", "a", build, lambda: None)]
+    monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: declared)
+    kernel = f"{TESTS / 'cli_kernels.py'}:good"
+    result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-shards", "2", "--mla-device", "cpu",
+                                "--mla-profile", "dev")
+    result.assert_outcomes(passed=2)
+    assert built == [["a"]]  # two kernel tests, one warm-up
+    result.stdout.fnmatch_lines([f"mla-verify: warm-up on main (cpu): 1 module(s) for {kernel} in *"])
+    declared[:] = [WarmupModule("mod-b", "broken", build, lambda: None)]
+    result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev")
+    result.assert_outcomes(passed=1)  # a failed warm-up is said; the kernel's tests judge what happens next
+    result.stdout.fnmatch_lines(
+        ["mla-verify:   warm-up failed: building mod-b raised RuntimeError: nvcc: fatal error*"])
 
 
 def test_summary_orders_workers_and_devices_numerically():

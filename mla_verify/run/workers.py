@@ -103,6 +103,27 @@ def assign_worker(request: DeviceRequest, worker: str | None, slot: int | None,
     return Assignment(worker or "main", device, simulated and device != "cpu")
 
 
+# a thread count the user chose: left as it is
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, as a CI container sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def worker_threads(workers: int, environ: Mapping[str, str] = os.environ, cores: int | None = None) -> int | None:
+    """Torch threads for one of ``workers`` processes: its share of the cores, or None where the user set a
+    count. Each process otherwise starts one thread per core: with two workers on two cores every op waits
+    at its barrier for a thread the other worker holds (docs/pytest.md)."""
+    if any(environ.get(name) for name in THREAD_ENV):
+        return None
+    return max(1, (cores or available_cores()) // workers)
+
+
 class SlotTable:
     """Controller side: live worker id -> slot; a new worker takes the lowest slot no live worker holds."""
 
