@@ -77,8 +77,7 @@ def phase_check(work: Path, out: Path, name: str, root: Path) -> dict[str, Any]:
                    out / f"{name}.log")
     if report.exists():
         run = json.loads(report.read_text())["run"]
-        result["warmup"] = run.get("warmup")
-        result["throughput"] = run.get("throughput")
+        result.update(warmup=run.get("warmup"), warmup_s=run.get("warmup_s"), throughput=run.get("throughput"))
     return result
 
 
@@ -90,7 +89,7 @@ def phase_fuzz(work: Path, out: Path, minutes: float) -> dict[str, Any]:
     if report.exists():
         run = json.loads(report.read_text())["run"]
         fa3 = run["throughput"]["fa3"]
-        result.update(warmup=run.get("warmup"), throughput=fa3,
+        result.update(warmup=run.get("warmup"), warmup_s=run.get("warmup_s"), throughput=fa3,
                       judged_per_s_overall=round(fa3["judged"] / result["seconds"], 2))
     return result
 
