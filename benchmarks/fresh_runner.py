@@ -16,7 +16,8 @@ workspace, CUDA_CACHE_PATH for the driver's compute cache, ~/.nv/ComputeCache by
 
     source .gpu-bundle/activate.sh && python3 benchmarks/fresh_runner.py --out $OUT/fresh [--phases ...]
 
-Writes $OUT/fresh/fresh_runner.json (every number), one log per command, and the reports of the check runs.
+Writes $OUT/fresh/fresh_runner.json (every number, merged over calls), one log per command, and the reports of
+the check runs; the tarball stays in --work (default /tmp/mla-fresh; --cache takes one from elsewhere).
 Exit code 0 when every command ran and passed.
 """
 from __future__ import annotations
@@ -144,23 +145,27 @@ def probe(path: Path) -> None:
         first = corner_cases(backend.envelope, budget_for(device))[0]
         for module in backend.warmup(device):
             spec = module.spec
-            one: dict[str, Any] = {"backend": name, "library": str(spec.get_library_path())}
-            stages.clear()
-            clock("ninja up-to-date check", spec.build)
-            clock("library load", spec.load)
-            clock("load through FlashInfer's getter", module.load)
-            one["stages_s"] = dict(stages)
-            one["cuobjdump"] = cuobjdump(spec.get_library_path())
-            dtype, rank, rope = module_case(name, module.name)
-            spec_case = replace(first.spec, dtype=dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
-            problem = build_problem(spec_case, device)
-            for attempt in ("first", "second"):
-                stages.clear()
-                call = clock(f"{attempt} prepare (plan)", partial(backend.prepare, problem, first.layout))
-                clock(f"{attempt} kernel call", call.invoke)
-                one["stages_s"].update(stages)
+            one: dict[str, Any] = {"backend": name, "library": str(spec.get_library_path()), "stages_s": {}}
             modules[module.name] = one
-            print(module.name, one["stages_s"], flush=True)
+            stages.clear()
+            try:
+                clock("ninja up-to-date check", spec.build)
+                clock("library load", spec.load)
+                clock("load through FlashInfer's getter", module.load)
+                one["stages_s"].update(stages)
+                one["cuobjdump"] = cuobjdump(spec.get_library_path())
+                dtype, rank, rope = module_case(name, module.name)
+                spec_case = replace(first.spec, dtype=dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
+                problem = build_problem(spec_case, device)
+                for attempt in ("first", "second"):
+                    stages.clear()
+                    call = clock(f"{attempt} prepare (plan)", partial(backend.prepare, problem, first.layout))
+                    clock(f"{attempt} kernel call", call.invoke)
+                    one["stages_s"].update(stages)
+            except Exception as exc:  # noqa: BLE001 - the other modules are still measured
+                one["stages_s"].update(stages)
+                one["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(module.name, one, flush=True)
     path.write_text(json.dumps({"start_s": start, "modules": modules}, indent=1))
 
 
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/mla-fresh"), help="caches and reproducers")
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--fuzz-minutes", type=float, default=2.0)
+    parser.add_argument("--cache", type=Path, help="cache.tar.gz of an earlier nocache phase (default: --work's)")
     parser.add_argument("--probe", type=Path, help=argparse.SUPPRESS)  # the firstcall phase's child
     ns = parser.parse_args(argv)
     if ns.probe:
@@ -213,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         record["cache_tarball"] = {"bytes": (ns.work / "cache.tar.gz").stat().st_size, "workspace_bytes":
                                    du(cold / "ws"), "compute_cache_bytes": du(cold / "nv"),
                                    "pack_s": round(time.perf_counter() - began, 1)}
-        shutil.copy(ns.work / "cache.tar.gz", ns.out / "cache.tar.gz")  # carried next time as a restored cache
+    if ns.cache is not None:  # a tarball made by an earlier nocache phase, e.g. on another machine
+        ns.work.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ns.cache, ns.work / "cache.tar.gz")
     if not (ns.work / "cache.tar.gz").exists():
         print("no cache.tar.gz: run the nocache phase first", file=sys.stderr)
         return 2

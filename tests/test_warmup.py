@@ -189,3 +189,19 @@ def test_flashinfer_wrappers_declare_a_module_per_kernel_dtype_and_dims_they_can
                     for dtype in env.dtypes if dtype == "bf16" or arch == (9, 0) for dims in env.dims_for(dtype)}
         assert declared[name] == drawable, name
     assert declared["fa-auto"] == declared["fa2"] | declared["fa3"]  # auto runs one of the two: both are warmed
+
+
+def test_a_failed_flashinfer_build_names_the_compiler_s_first_error(monkeypatch) -> None:
+    import flashinfer.jit.core
+
+    from mla_verify.backends.flashinfer_jit import build_all
+
+    def ninja_failed(specs: list[Any]) -> None:  # what FlashInfer 0.7.4's run_ninja raises
+        raise RuntimeError("Ninja build failed. Ninja output:\n[1/3] nvcc -c batch_mla_run.cu\n"
+                           'batch_mla_run.cu(12): error: identifier "x" is undefined\n1 error detected')
+
+    monkeypatch.setattr(flashinfer.jit.core, "build_jit_specs", ninja_failed)
+    with pytest.raises(RuntimeError) as raised:
+        build_all(["spec"])
+    assert str(raised.value).splitlines()[0] == \
+        'Ninja build failed. First error: batch_mla_run.cu(12): error: identifier "x" is undefined'

@@ -18,10 +18,20 @@ from .base import WarmupModule
 
 
 def build_all(specs: Sequence[Any]) -> None:
-    """Compile every JitSpec of ``specs`` that is not built yet, in one parallel ninja run."""
+    """Compile every JitSpec of ``specs`` that is not built yet, in one parallel ninja run. A failed build
+    raises with the compiler's first error on its first line (FlashInfer puts ninja's whole log after a line
+    that says only that ninja failed)."""
     from flashinfer.jit.core import build_jit_specs
 
-    build_jit_specs(list(specs))
+    try:
+        build_jit_specs(list(specs))
+    except RuntimeError as exc:
+        lines = str(exc).splitlines()
+        error = next((ln.strip() for ln in lines[1:] if "error" in ln.lower()), None)
+        if error is None:
+            raise
+        first = f"{lines[0].removesuffix(' Ninja output:')} First error: {error}"
+        raise RuntimeError("\n".join([first, *lines[1:]])) from exc
 
 
 def fa_module(fi_backend: str, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int) -> WarmupModule:
