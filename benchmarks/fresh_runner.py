@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("rc", "seconds", "judged_per_s_overall")}
                       if isinstance(v, dict) else v for k, v in record.items()}, indent=1))
     runs = [record[p] for p in ("nocache", "restored", "fuzz") if p in record]
+    runs += list(record.get("firstcall", {}).values())
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 
