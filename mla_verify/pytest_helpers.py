@@ -9,8 +9,8 @@ minimal case, the diagnosis, the reproducer it wrote and the ``mla-verify replay
 - the ``mla_verify_kernel`` fixture: ``verify_kernel`` bound to the run's options, device and shard.
 
 Sharding: with N shards (``--mla-shards N``; by default the number of xdist workers), each kernel's run
-becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k, and only shard 0 runs the
-profile's corner cases, so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
+becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k and runs corner cases k, k + N, ... of the
+profile, so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
 """
 from __future__ import annotations
 
@@ -46,11 +46,10 @@ class Shard:
         return (DEFAULT_SEED if seed is None else seed) + self.index
 
     def profile(self, profile: Profile) -> tuple[Profile, int | None]:
-        """This shard's profile (corner cases on shard 0 only) and its number of drawn cases."""
+        """This shard's profile (every count-th corner case, from its index on) and its number of drawn cases."""
         if self.count == 1:
             return profile, None
-        return (replace(profile, corner_cases=profile.corner_cases and self.index == 0),
-                math.ceil(profile.max_examples / self.count))
+        return (replace(profile, corner_share=(self.index, self.count)), math.ceil(profile.max_examples / self.count))
 
     @property
     def label(self) -> str:

@@ -2,14 +2,16 @@
 helper and the fixture, reproducers and the replay command on failure, shards over xdist workers."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from cli_kernels import SMALL_ENVELOPE, WRONG_SCALE
 
 from mla_verify.backends.user_kernel import load_kernel
 from mla_verify.cli.main import main
-from mla_verify.draw.profiles import get_profile
+from mla_verify.draw.profiles import Profile, get_profile
 from mla_verify.pytest_helpers import Shard, verify_backend
 from mla_verify.run.engine import DEFAULT_SEED
 
@@ -90,7 +92,7 @@ def test_shards_split_the_seeds_the_drawn_cases_and_the_corner_cases():
     assert Shard(0, 3).seed(None) is None and Shard(0, 3).seed(5) == 5  # shard 0 is the unsharded run's start
     assert [Shard(k, 3).seed(None) for k in (1, 2)] == [DEFAULT_SEED + 1, DEFAULT_SEED + 2]
     profiles = [Shard(k, 3).profile(premerge) for k in range(3)]
-    assert [p.corner_cases for p, _ in profiles] == [True, False, False]
+    assert [(p.corner_cases, p.corner_share) for p, _ in profiles] == [(True, (k, 3)) for k in range(3)]
     assert all(n * 3 >= premerge.max_examples > (n - 1) * 3 for _, n in profiles)
     assert Shard().profile(premerge) == (premerge, None)
 
@@ -100,6 +102,25 @@ def test_shards_split_the_seeds_the_drawn_cases_and_the_corner_cases():
     assert all(len(h) <= -(-dev // 2) for h in halves)  # each shard draws its share
     # different cases, but for the simplest example, which Hypothesis tries first whatever the seed
     assert len(set(halves[0]) & set(halves[1])) <= 1
+
+
+def test_each_shard_runs_its_share_of_the_corner_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Corner cases are most of premerge's time on CPU: a shard that ran them all would stall `-n N`."""
+    from mla_verify.draw import strategies
+    from mla_verify.run import engine
+
+    backend = load_kernel("cli_kernels:good")
+    corners = strategies.corner_cases(backend.envelope, strategies.budget_for("cpu"))
+    assert len(corners) >= 4
+    monkeypatch.setattr(engine, "corner_cases", lambda env, budget: corners[:4])
+    dev = replace(get_profile("dev"), max_examples=1, corner_cases=True)
+
+    def corner_ids(profile: Profile) -> list[str]:
+        return [c.id for c in engine.verify(backend, torch.device("cpu"), profile, max_examples=1).cases][:-1]
+
+    whole = corner_ids(dev)
+    assert len(whole) == 4
+    assert [corner_ids(Shard(k, 2).profile(dev)[0]) for k in range(2)] == [whole[0::2], whole[1::2]]
 
 
 def test_a_bad_profile_or_kernel_name_fails_the_test_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,6 +28,8 @@ class Profile:
     corner_cases: bool
     targeted: bool
     minutes: float | None = None  # wall-clock bound (fuzz)
+    # (k, n): run only corner cases k, k+n, k+2n, ... -- shard k of n (pytest -n n) takes its share of them
+    corner_share: tuple[int, int] = (0, 1)
 
 
 PROFILES = {

@@ -141,7 +141,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
     try:
         if prof.corner_cases:
-            for case in corner_cases(backend.envelope, budget):
+            first, step = prof.corner_share
+            for case in corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
                 r = record(case, diagnose=True)
                 if r.verdict == "fail":
