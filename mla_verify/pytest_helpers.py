@@ -9,8 +9,8 @@ minimal case, the diagnosis, the reproducer it wrote and the ``mla-verify replay
 - the ``mla_verify_kernel`` fixture: ``verify_kernel`` bound to the run's options, device and shard.
 
 Sharding: with N shards (``--mla-shards N``; by default the number of xdist workers), each kernel's run
-becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k and runs corner cases k, k + N, ... of the
-profile, so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
+becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k and runs the profile's
+corner cases k, k + N, ..., so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
 """
 from __future__ import annotations
 
