@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
-from ..problems.envelope import ENVELOPE_PREFIX, LSE_BASE_2, Envelope
+from ..problems.envelope import ENVELOPE_PREFIX, LSE_BASE_2, Envelope, SparseEnvelope
 from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
+from ..problems.sparse import SparseDecodeProblem, SparseSpec
 
-__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "WarmupModule", "device_reason"]
+__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "SparseBackend",
+           "SparseEnvelope", "WarmupModule", "device_reason"]
 
 
 @dataclass
@@ -89,7 +91,27 @@ class Backend(ABC):
         """Lay out ``problem`` for this kernel and return the call (not yet run)."""
 
 
-def device_reason(env: Envelope, device: torch.device) -> str | None:
+class SparseBackend(ABC):
+    """A sparse (top-k) decode kernel: the same roles as ``Backend``, over ``SparseSpec`` problems (no layout
+    variants: the packed format is part of the problem). Kept apart from ``Backend`` so the dense path --
+    registry, engine, CLI -- never meets a problem kind it does not know."""
+
+    name: str
+    envelope: SparseEnvelope
+    description: str = ""
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return device_reason(self.envelope, device)
+
+    def why_not(self, spec: SparseSpec, device: torch.device) -> str | None:
+        return self.unavailable_reason(device) or self.envelope.why_not(spec)
+
+    @abstractmethod
+    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+        """The call on ``problem``; ``to_canonical`` gives (out [B, q_len, H, 512], lse [B, q_len, H] or None)."""
+
+
+def device_reason(env: Envelope | SparseEnvelope, device: torch.device) -> str | None:
     """Checks device type and CUDA architecture against an envelope; None if it fits."""
     if device.type not in env.devices:
         return f"runs on {'/'.join(env.devices)} devices, not {device.type}"

@@ -86,3 +86,38 @@ class Envelope:
 
     def narrowed(self, **changes: Any) -> Envelope:
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SparseEnvelope:
+    """The sparse (top-k) decode problems a backend claims to handle (problems/sparse.py). ``None``: any."""
+
+    devices: tuple[str, ...] = ("cuda",)
+    archs: tuple[tuple[int, int], ...] | None = None
+    formats: tuple[str, ...] = ("V32",)  # SPARSE_FORMATS the backend reads
+    scales: tuple[str, ...] = ("pow2", "amax")
+    topk_multiple: int = 64  # topk must be a multiple of this
+    max_topk: int = 2048
+    max_heads: int = 128
+    q_len: tuple[int, int] = (1, 2)
+    page_sizes: tuple[int, ...] | None = None
+    topk_length_formats: tuple[str, ...] = ()  # the formats it takes a per-request topk_length with
+    sinks: bool = True
+    lse_base: float = 2.718281828459045
+    notes: str = ""
+
+    def why_not(self, spec: Any) -> str | None:
+        """A sentence saying why the SparseSpec ``spec`` is outside this envelope, or None."""
+        checks = [
+            (spec.fmt in self.formats, f"format {spec.fmt} (supported: {list(self.formats)})"),
+            (spec.fmt == "bf16" or spec.scales in self.scales, f"{spec.scales} scales"),
+            (spec.topk % self.topk_multiple == 0 and spec.topk <= self.max_topk,
+             f"topk {spec.topk} (a multiple of {self.topk_multiple} up to {self.max_topk})"),
+            (spec.num_heads <= self.max_heads, f"{spec.num_heads} heads (max {self.max_heads})"),
+            (self.q_len[0] <= spec.q_len <= self.q_len[1], f"q_len {spec.q_len}"),
+            (self.page_sizes is None or spec.page_size in self.page_sizes, f"page size {spec.page_size}"),
+            (spec.topk_lengths is None or spec.fmt in self.topk_length_formats, f"topk_length with {spec.fmt}"),
+            (self.sinks or spec.sink == "none", "attention sinks"),
+        ]
+        bad = [what for ok, what in checks if not ok]
+        return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None

@@ -19,6 +19,7 @@ for others). The reference is held to the ``sm90`` values (docs/reference.md, "S
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,16 +123,31 @@ def unpack(packed: torch.Tensor, fmt: PackedFormat, page: int) -> tuple[torch.Te
     return rows[..., :fmt.nope].contiguous().view(FP8), scales, rope
 
 
-def dequantize(packed: torch.Tensor, fmt: PackedFormat, page: int, mode: str = "sm90") -> torch.Tensor:
-    """[P, page, d_qk] values of a packed pool: bf16 for ``sm90`` (the SM90 kernel's), fp32 for ``exact``."""
+def dequantize(packed: torch.Tensor, fmt: PackedFormat, page: int, mode: str = "sm90",
+               misread: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """[P, page, d_qk] values of a packed pool: bf16 for ``sm90`` (the SM90 kernel's), fp32 for ``exact``.
+    ``misread`` maps the stored scales [P, page, tiles] to the ones used (a faulty kernel's, or diagnosis's)."""
     if mode not in DEQUANT_MODES:
         raise ValueError(f"mode must be one of {DEQUANT_MODES}, got {mode!r}")
     nope, scales, rope = unpack(packed, fmt, page)
+    if misread is not None:
+        scales = misread(scales)
     if mode == "sm90":
         scales = scales.to(torch.bfloat16)
     values = nope.float().unflatten(-1, (fmt.tiles, fmt.tile)) * scales.float()[..., None]
     dtype = torch.bfloat16 if mode == "sm90" else torch.float32
     return torch.cat([values.flatten(-2).to(dtype), rope.to(dtype)], dim=-1)
+
+
+def truncated_to_pow2(scales: torch.Tensor) -> torch.Tensor:
+    """A misreading: fp32 scales cut to their power of two (an e8m0 cast that drops the mantissa, SM100's V3.2
+    bug; exact for ``pow2`` scales, up to 2x off for others)."""
+    return torch.exp2(torch.floor(torch.log2(scales)))
+
+
+def next_tile(scales: torch.Tensor) -> torch.Tensor:
+    """A misreading: each tile read with the next tile's scale."""
+    return scales.roll(-1, dims=-1)
 
 
 def kernel_view(packed: torch.Tensor, fmt: PackedFormat, page: int) -> torch.Tensor:

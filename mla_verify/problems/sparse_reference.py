@@ -14,8 +14,9 @@ from .sparse import SparseDecodeProblem
 
 
 def sparse_reference(problem: SparseDecodeProblem, precision: torch.dtype = torch.float64,
-                     matmul: str = "exact") -> ReferenceResult:
-    """(out [B, q_len, H, d_v], natural-log lse [B, q_len, H]); empty rows give out 0 and lse +inf."""
+                     matmul: str = "exact", values_from: int = 0) -> ReferenceResult:
+    """(out [B, q_len, H, d_v], natural-log lse [B, q_len, H]); empty rows give out 0 and lse +inf.
+    ``values_from`` (diagnosis only): V read from dims [values_from, values_from + d_v) instead of the first."""
     p = problem
     if matmul not in MATMUL_MODES:
         raise ValueError(f"matmul must be one of {MATMUL_MODES}, got {matmul!r}")
@@ -35,7 +36,7 @@ def sparse_reference(problem: SparseDecodeProblem, precision: torch.dtype = torc
         lse = torch.logsumexp(scores, -1)  # [B*Q, H]; -inf for an empty row
         empty = lse == float("-inf")
         probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
-        values = kv[..., :p.d_v]
+        values = kv[..., values_from:values_from + p.d_v]
         out = torch.empty((B * Q, 2 * H if split else H, p.d_v), dtype=precision, device=p.query.device)
         _probs_times_values(probs, values, split, 1.0, out)
     if split:

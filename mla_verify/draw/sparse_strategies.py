@@ -1,0 +1,65 @@
+"""Hypothesis strategies over a sparse envelope, and the sparse corner cases premerge runs first.
+
+``sparse_specs`` shrinks toward the plainest problem: the envelope's first format and scale convention, topk 64,
+one request of one query token and one head, 64-token pages, two used pages and no spare ones, no -1 entries
+(then few, then many, then all), no -1 front, no duplicates, no topk_length, no sink, the default softmax scale,
+normal values and seed 0 -- each field shrinks on its own toward that end, so a shrunk failure names the one
+feature it needs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import strategies as st
+
+from ..problems.envelope import SparseEnvelope
+from ..problems.sparse import SparseSpec
+
+INVALID_SHARES = (0.0, 0.05, 0.5, 0.95, 1.0)
+PAGE_SIZES = (64, 1, 16, 61)  # 64 is what engines use; 1 (vLLM's fa3 path), 16 and an odd 61 move slot arithmetic
+SOFTMAX_SCALES = (None, 0.25, 0.02)  # None: d_qk ** -0.5; a peaked and a flat softmax
+
+
+@st.composite
+def sparse_specs(draw: st.DrawFn, env: SparseEnvelope, max_batch: int = 4, max_topk: int = 512) -> SparseSpec:
+    fmt = draw(st.sampled_from(env.formats))
+    scales = draw(st.sampled_from(env.scales)) if fmt != "V4" else "pow2"
+    batch = draw(st.integers(1, max_batch))
+    topk = env.topk_multiple * draw(st.integers(1, max(1, min(env.max_topk, max_topk) // env.topk_multiple)))
+    lengths = None
+    if fmt in env.topk_length_formats and draw(st.booleans()):
+        lengths = tuple(draw(st.lists(st.integers(0, topk), min_size=batch, max_size=batch)))
+    pages = env.page_sizes or PAGE_SIZES
+    return SparseSpec(
+        batch=batch, q_len=draw(st.integers(*env.q_len)), num_heads=draw(st.integers(1, env.max_heads)), topk=topk,
+        page_size=draw(st.sampled_from(pages)), used_pages=draw(st.integers(2, 8)),
+        extra_pages=draw(st.integers(0, 3)), fmt=fmt, scales=scales, invalid=draw(st.sampled_from(INVALID_SHARES)),
+        invalid_front=draw(st.booleans()), duplicates=draw(st.booleans()), topk_lengths=lengths,
+        sink=draw(st.sampled_from(("none", "finite", "+inf", "-inf", "mixed") if env.sinks else ("none",))),
+        softmax_scale=draw(st.sampled_from(SOFTMAX_SCALES)), values=draw(st.sampled_from(("normal", "extreme"))),
+        seed=draw(st.integers(0, 2 ** 16)))
+
+
+def sparse_corner_cases(env: SparseEnvelope) -> list[SparseSpec]:
+    """The envelope's extremes, one feature each: every format and scale convention; all entries -1; a -1 front
+    (a fully masked leading chunk); duplicates; topk_length 0 and cutting valid entries; each kind of sink;
+    q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads."""
+    base = SparseSpec(batch=2, num_heads=min(16, env.max_heads), topk=env.topk_multiple, page_size=64,
+                      used_pages=3, fmt=env.formats[0], scales=env.scales[0])
+    pages = env.page_sizes or PAGE_SIZES
+    cases = [replace(base, fmt=f, scales=s) for f in env.formats for s in env.scales if f != "V4" or s == "pow2"]
+    cases += [
+        replace(base, invalid=1.0, sink="finite"),
+        replace(base, invalid_front=True, topk=min(env.max_topk, 4 * env.topk_multiple), used_pages=8),
+        replace(base, duplicates=True, used_pages=1, page_size=pages[-1]),
+        replace(base, sink="mixed"),
+        replace(base, sink="+inf"),
+        replace(base, sink="-inf"),
+        replace(base, batch=4, q_len=env.q_len[1], page_size=pages[min(1, len(pages) - 1)], used_pages=8),
+        replace(base, batch=1, topk=min(env.max_topk, 2048), used_pages=40, invalid=0.5),
+        replace(base, values="extreme", softmax_scale=0.02),
+        replace(base, batch=1, num_heads=env.max_heads),
+    ]
+    cases += [replace(base, fmt=f, topk=2 * env.topk_multiple, topk_lengths=(0, env.topk_multiple + 5))
+              for f in env.topk_length_formats if f in env.formats]
+    return [c for c in cases if env.why_not(c) is None]
