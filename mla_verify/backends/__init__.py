@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from ..core.errors import UsageError, did_you_mean
-from .base import Backend, Envelope, PreparedCall
+from .base import Backend, Envelope, PreparedCall, SparseBackend
 
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
-__all__ = ["Backend", "Envelope", "PreparedCall", "ENTRY_POINT_GROUP", "builtin_backends", "all_backends",
-           "get_backend", "requested_backends"]
+__all__ = ["Backend", "Envelope", "PreparedCall", "SparseBackend", "ENTRY_POINT_GROUP", "builtin_backends",
+           "all_backends", "get_backend", "requested_backends", "sparse_backends"]
 
 
 def builtin_backends() -> list[Backend]:
@@ -33,6 +33,15 @@ def builtin_backends() -> list[Backend]:
     from .flashmla import flashmla_backend
 
     return [*trtllm_backends(), *wrapper_backends(), swa_backend(), flashmla_backend(), cpu_peer_backend()]
+
+
+def sparse_backends() -> dict[str, SparseBackend]:
+    """The built-in sparse (top-k) decode backends by name: a registry of their own, as they judge another kind
+    of problem (problems/sparse.py); their names differ from every dense backend's."""
+    from .fa3_sparse import fa3_sparse_backend
+    from .flashmla_sparse import flashmla_sparse_backend
+
+    return {b.name: b for b in (flashmla_sparse_backend(), fa3_sparse_backend())}
 
 
 def _plugin_backends() -> list[Backend]:
@@ -63,7 +72,8 @@ def all_backends() -> dict[str, Backend]:
 def get_backend(name: str) -> Backend:
     registry = all_backends()
     if name not in registry:
-        raise UsageError(f"unknown backend '{name}'{did_you_mean(name, registry)}; known: {', '.join(registry)}")
+        known = [*registry, *sparse_backends()]
+        raise UsageError(f"unknown backend '{name}'{did_you_mean(name, known)}; known: {', '.join(known)}")
     return registry[name]
 
 

@@ -152,6 +152,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.engine import verify
     from ..run.progress import Progress
     from ..run.warmup import warm_up
+    from .sparse import check_sparse, require_runnable, split_sparse
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -165,7 +166,11 @@ def cmd_check(ns: argparse.Namespace) -> int:
               "earlier runs found); the fuzz profile uses it", file=sys.stderr)
     check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
-    backends = _select_backends(ns.kernel, ns.backend, device)
+    sparse, kernels, names = split_sparse(ns.kernel, ns.backend)
+    named = bool(ns.kernel or ns.backend)
+    backends = _select_backends(kernels, names, device) if kernels or names or not named else []
+    if named:
+        require_runnable(sparse, device)
 
     started = time.monotonic()
     selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
@@ -198,6 +203,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
                   f"{len(backends) - len(results)} backend(s) not run", flush=True)
             break
 
+    sparse_failed = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.fixtures_dir)
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -217,8 +223,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
                "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
         report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
         print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
-    failed = not selfcheck.ok or any(r.failure is not None for r in results)
-    ran = sum(r.unavailable is None for r in results)
+    failed = not selfcheck.ok or sparse_failed or any(r.failure is not None for r in results)
+    ran = sum(r.unavailable is None for r in results) + sum(b.unavailable_reason(device) is None for b, _ in sparse)
     if not ran and not failed:
         print("no backend could run here: only the reference self-check ran")
     if any(r.interrupted for r in results):
@@ -278,6 +284,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..records.fixtures import load_fixture
     from ..run.harness import run_case
 
+    from .sparse import replay_sparse, sparse_fixture
+
+    if (sparse := sparse_fixture(ns.fixture)) is not None:
+        failed = replay_sparse(sparse, ns.fixture, ns.backend, ns.kernel, ns.device)
+        return EXIT_DISCREPANCY if failed else EXIT_OK
     fx = load_fixture(ns.fixture)
     if fx.spec is None:
         raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")

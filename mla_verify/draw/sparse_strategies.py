@@ -44,13 +44,13 @@ def sparse_corner_cases(env: SparseEnvelope) -> list[SparseSpec]:
     """The envelope's extremes, one feature each: every format and scale convention; all entries -1; a -1 front
     (a fully masked leading chunk); duplicates; topk_length 0 and cutting valid entries; each kind of sink;
     q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads."""
-    base = SparseSpec(batch=2, num_heads=min(16, env.max_heads), topk=env.topk_multiple, page_size=64,
+    base = SparseSpec(batch=2, num_heads=min(16, env.max_heads), topk=64, page_size=64,
                       used_pages=3, fmt=env.formats[0], scales=env.scales[0])
     pages = env.page_sizes or PAGE_SIZES
     cases = [replace(base, fmt=f, scales=s) for f in env.formats for s in env.scales if f != "V4" or s == "pow2"]
     cases += [
         replace(base, invalid=1.0, sink="finite"),
-        replace(base, invalid_front=True, topk=min(env.max_topk, 4 * env.topk_multiple), used_pages=8),
+        replace(base, invalid_front=True, topk=min(env.max_topk, 256), used_pages=8),
         replace(base, duplicates=True, used_pages=1, page_size=pages[-1]),
         replace(base, sink="mixed"),
         replace(base, sink="+inf"),
@@ -60,6 +60,6 @@ def sparse_corner_cases(env: SparseEnvelope) -> list[SparseSpec]:
         replace(base, values="extreme", softmax_scale=0.02),
         replace(base, batch=1, num_heads=env.max_heads),
     ]
-    cases += [replace(base, fmt=f, topk=2 * env.topk_multiple, topk_lengths=(0, env.topk_multiple + 5))
+    cases += [replace(base, fmt=f, topk=128, topk_lengths=(0, 69))
               for f in env.topk_length_formats if f in env.formats]
     return [c for c in cases if env.why_not(c) is None]

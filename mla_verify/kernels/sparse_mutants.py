@@ -159,3 +159,11 @@ _ALL = [
                  replace(_BASE, fmt="V4", topk_lengths=(0, 64))),
 ]
 SPARSE_MUTANTS: dict[str, SparseMutant] = {m.name: m for m in _ALL}
+correct_sparse_kernel = stand_in_backend()
+
+
+def __getattr__(name: str) -> FlashMLASparseBackend:
+    """``mla_verify.kernels.sparse_mutants:<mutant name>`` is that mutant behind the flashmla-sparse backend."""
+    if name in SPARSE_MUTANTS:
+        return stand_in_backend(SPARSE_MUTANTS[name].faults, name)
+    raise AttributeError(f"module 'mla_verify.kernels.sparse_mutants' has no attribute {name!r}")

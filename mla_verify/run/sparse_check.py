@@ -10,6 +10,7 @@ Hypothesis shrinks the first failure to a minimal spec.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,20 +49,23 @@ def run_sparse_case(backend: SparseBackend, spec: SparseSpec, device: torch.devi
         result.verdict, result.reason = "skip", f"{backend.name}: {reason}"
         return result
     problem = build_sparse_problem(spec, device)
-    prepared = backend.prepare(problem)
-    snapshot = {name: t.clone() for name, t in prepared.inputs.items()}
     failures = result.failures
-    try:
-        raw = prepared.invoke()
-        out, lse = prepared.judged(raw)
-        out, lse = out.clone(), None if lse is None else lse.clone()
+    snapshot: dict[str, torch.Tensor] = {}
+    inputs: dict[str, torch.Tensor] = {}
+    out = lse = again = None
+    try:  # planning is the library's too: its refusal of a problem inside the envelope is a failure
+        prepared = backend.prepare(problem)
+        inputs = prepared.inputs
+        snapshot = {name: t.clone() for name, t in inputs.items()}
+        out, lse = (t if t is None else t.clone() for t in prepared.judged(prepared.invoke()))
         again = prepared.judged(prepared.invoke())[0]
     except Exception as exc:  # noqa: BLE001 - a kernel's error is its verdict
         failures.append(f"the kernel raised {exception_line(exc)}")
-        out = lse = again = None
     for name, before in snapshot.items():
-        if (n := changed_elements(before, prepared.inputs[name])):
+        if (n := changed_elements(before, inputs[name])):
             failures.append(f"input {name} changed in {n} elements")
+    if lse is not None and backend.envelope.lse_base != math.e:
+        lse = lse * math.log(backend.envelope.lse_base)
     ref = sparse_reference(problem)
     if out is not None:
         failures += judge_sparse(problem, out, lse, ref)
