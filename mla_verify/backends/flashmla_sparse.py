@@ -33,9 +33,10 @@ from .flashmla import FlashMLAApi, flash_mla_import_error, install_hint, install
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
 FLASHMLA_SPARSE_ENVELOPE = SparseEnvelope(
     devices=("cuda",), archs=((9, 0),), formats=("V32", "V32_NO_ROPE", "V4"), topk_multiple=64, max_topk=2048,
-    max_heads=128, q_len=(1, 2), topk_length_formats=("V4",), lse_base=math.e,
+    max_heads=128, q_len=(1, 2), page_sizes=(64, 2, 61, 69), topk_length_formats=("V4",), lse_base=math.e,
     notes="SM90 instantiates run_flash_splitkv_mla_fp8_sparse_kernel for V32, V4 and V32_NO_ROPE with h_q 64/128; "
-          "TOPK_BLOCK_SIZE 64; 'V3.2 does not support dynamic topk length' (V32_NO_ROPE unverified: left out)",
+          "TOPK_BLOCK_SIZE 64; 'V3.2 does not support dynamic topk length' (V32_NO_ROPE unverified: left out); "
+          "the page sizes FlashMLA's own sparse tests use",
 )
 
 

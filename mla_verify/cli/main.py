@@ -203,7 +203,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
                   f"{len(backends) - len(results)} backend(s) not run", flush=True)
             break
 
-    sparse_failed = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.fixtures_dir)
+    sparse_failed = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.minutes,
+                                 ns.fixtures_dir)
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -283,7 +284,6 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..core.errors import FixtureError
     from ..records.fixtures import load_fixture
     from ..run.harness import run_case
-
     from .sparse import replay_sparse, sparse_fixture
 
     if (sparse := sparse_fixture(ns.fixture)) is not None:

@@ -52,7 +52,7 @@ def require_runnable(chosen: list[tuple[SparseBackend, str | None]], device: tor
 
 
 def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.device, profile: Profile,
-                 seed: int | None, max_examples: int | None, fixtures_dir: Path) -> bool:
+                 seed: int | None, max_examples: int | None, minutes: float | None, fixtures_dir: Path) -> bool:
     """Run each sparse backend; print its summary and, on failure, the case, diagnosis and reproducer. True if
     any failed."""
     failed = False
@@ -62,7 +62,7 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
     for backend, target in chosen:
         if backend.unavailable_reason(device) is not None:
             continue
-        run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0)
+        run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0, minutes=minutes)
         counts = {v: sum(c.verdict == v for c in run.cases) for v in ("pass", "fail", "skip")}
         print(f"{backend.name}: {run.verdict.upper()} -- {len(run.cases)} sparse cases ({counts['pass']} passed, "
               f"{counts['fail']} failed, {counts['skip']} skipped)", flush=True)

@@ -85,10 +85,6 @@ def _lse_failures(lse: torch.Tensor, want: torch.Tensor) -> list[str]:
 Recompute = Callable[[SparseDecodeProblem, ReferenceResult], "ReferenceResult | None"]
 
 
-def _with(**changes: object) -> Callable[[SparseDecodeProblem], SparseDecodeProblem]:
-    return lambda p: dataclasses.replace(p, **changes)
-
-
 def _problem(transform: Callable[[SparseDecodeProblem], SparseDecodeProblem | None]) -> Recompute:
     def recompute(p: SparseDecodeProblem, truth: ReferenceResult) -> ReferenceResult | None:
         q = transform(p)
@@ -142,7 +138,7 @@ def _empty_nan(p: SparseDecodeProblem, truth: ReferenceResult) -> ReferenceResul
 CATALOG: dict[str, tuple[str, Recompute]] = {
     "indices_as_page_ids": ("reads each index as a page id (slot = index * page_size)", _problem(_as_pages)),
     "minus1_read": ("reads -1 entries as slot -1 instead of masking them", _problem(_minus1_read)),
-    "topk_length_ignored": ("attends past topk_length", _problem(_with(topk_length=None))),
+    "topk_length_ignored": ("attends past topk_length", _problem(lambda p: dataclasses.replace(p, topk_length=None))),
     "scales_pow2": ("cuts the fp32 tile scales to powers of two", _problem(_scales(truncated_to_pow2))),
     "tile_scale_shifted": ("reads each tile with the next tile's scale", _problem(_scales(next_tile))),
     "rope_quantized": ("rounds the bf16 rope dims to fp8", _problem(_rope_fp8)),

@@ -11,11 +11,13 @@ Hypothesis shrinks the first failure to a minimal spec.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hypothesis import given, seed as hypothesis_seed
+from hypothesis import given
+from hypothesis import seed as hypothesis_seed
 
 from ..backends.base import ENVELOPE_PREFIX, SparseBackend
 from ..core.bits import changed_elements, same_bits
@@ -95,10 +97,17 @@ class _Failed(AssertionError):
     pass
 
 
+class _TimeUp(BaseException):
+    """Ends the search when the run's minutes are spent; BaseException so Hypothesis does not shrink it."""
+
+
 def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: str | Profile = "premerge",
-                  max_examples: int | None = None, seed: int = 0) -> SparseRunResult:
+                  max_examples: int | None = None, seed: int = 0, minutes: float | None = None) -> SparseRunResult:
+    """``minutes`` (default: the profile's) bounds the drawn cases' search; a failure found is still shrunk."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = torch.device(device)
+    minutes = prof.minutes if minutes is None else minutes
+    deadline = None if minutes is None else time.monotonic() + 60.0 * minutes
     run = SparseRunResult(backend.name, [])
     reason = backend.unavailable_reason(device)
     if reason is not None:
@@ -114,6 +123,8 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     last: dict[str, Any] = {}
 
     def check(spec: SparseSpec) -> None:
+        if deadline is not None and time.monotonic() > deadline and "spec" not in last:
+            raise _TimeUp
         case = run_sparse_case(backend, spec, device, diagnose=False)
         run.cases.append(case)
         if case.verdict == "fail":
@@ -127,6 +138,8 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     with hypothesis_storage():
         try:
             test()
+        except _TimeUp:
+            pass
         except _Failed:
             run.failure = run_sparse_case(backend, last["spec"], device)  # the shrunk case, with its diagnosis
     return run
