@@ -49,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Verify kernels. Exit 0: all passed; 1: a discrepancy; 2: bad usage.")
     which = check.add_mutually_exclusive_group()
     which.add_argument("--kernel", action="append", metavar="MODULE:ATTR",
-                       help="a trtllm-style callable to verify, MODULE:ATTR or path/to/file.py:ATTR (repeatable)")
+                       help="a trtllm-style callable (or a SparseBackend instance) to verify, MODULE:ATTR or "
+                            "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
-                       help="a registered backend to verify (repeatable; see list-backends)")
+                       help="a registered backend to verify (repeatable; see list-backends; the sparse ones: "
+                            "flashmla-sparse, fa3-sparse)")
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
