@@ -34,7 +34,7 @@ import torch
 from ..core.platform import import_error
 from ..problems.layouts import LayoutSpec, trtllm_args
 from ..problems.problem import DecodeProblem
-from .base import Backend, Envelope, PreparedCall, device_reason
+from .base import Backend, Envelope, PreparedCall, SparseEnvelope, device_reason
 
 FLASHMLA_SOURCE = "https://github.com/deepseek-ai/FlashMLA"
 
@@ -84,6 +84,17 @@ def flash_mla_import_error() -> str | None:
     return import_error("flash_mla")
 
 
+def flashmla_unavailable(api: FlashMLAApi | None, envelope: Envelope | SparseEnvelope,
+                         device: torch.device) -> str | None:
+    """Why a FlashMLA backend calling ``api`` (the installed ``flash_mla`` when None) cannot run on ``device``."""
+    if api is not None:
+        return device_reason(envelope, device)
+    reason = install_hint() or device_reason(envelope, device)
+    if reason is None and (error := flash_mla_import_error()):
+        reason = f"FlashMLA is installed but cannot be imported ({error})"
+    return reason
+
+
 def installed_api() -> FlashMLAApi:
     import flash_mla
 
@@ -102,12 +113,7 @@ class FlashMLABackend(Backend):
         self.description = description
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        if self.api is not None:
-            return device_reason(self.envelope, device)
-        reason = install_hint() or device_reason(self.envelope, device)
-        if reason is None and (error := flash_mla_import_error()):
-            reason = f"FlashMLA is installed but cannot be imported ({error})"
-        return reason
+        return flashmla_unavailable(self.api, self.envelope, device)
 
     def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
         p = problem

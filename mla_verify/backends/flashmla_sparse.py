@@ -27,8 +27,8 @@ import torch
 from ..problems.envelope import SparseEnvelope
 from ..problems.packed import FORMATS, kernel_view
 from ..problems.sparse import SparseDecodeProblem
-from .base import PreparedCall, SparseBackend, device_reason
-from .flashmla import FlashMLAApi, flash_mla_import_error, install_hint, installed_api
+from .base import PreparedCall, SparseBackend
+from .flashmla import FlashMLAApi, flashmla_unavailable, installed_api
 
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
 FLASHMLA_SPARSE_ENVELOPE = SparseEnvelope(
@@ -62,12 +62,7 @@ class FlashMLASparseBackend(SparseBackend):
         self.name, self.api, self.envelope, self.description = name, api, envelope, description
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        if self.api is not None:
-            return device_reason(self.envelope, device)
-        reason = install_hint() or device_reason(self.envelope, device)
-        if reason is None and (error := flash_mla_import_error()):
-            reason = f"FlashMLA is installed but cannot be imported ({error})"
-        return reason
+        return flashmla_unavailable(self.api, self.envelope, device)
 
     def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
         p = problem.validate()

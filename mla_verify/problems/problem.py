@@ -29,18 +29,10 @@ FP8 = torch.float8_e4m3fn
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, FP8)
 
 
-@dataclass
-class DecodeProblem:
+class QueryShape:
+    """What a problem's query ``[B, q_len, H, D]`` says about it (dense and sparse problems alike)."""
+
     query: torch.Tensor
-    kv_cache: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    dims: MLADims
-    bmm1_scale: float
-    bmm2_scale: float = 1.0
-    max_seq_len: int | None = None  # None: max(seq_lens)
-    window_left: int | None = None  # None: no sliding window (see the module docstring)
-    q_lens: tuple[int, ...] | None = None  # None: q_len query tokens per request (see the module docstring)
 
     @property
     def batch(self) -> int:
@@ -53,6 +45,20 @@ class DecodeProblem:
     @property
     def num_heads(self) -> int:
         return self.query.shape[2]
+
+
+@dataclass
+class DecodeProblem(QueryShape):
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    dims: MLADims
+    bmm1_scale: float
+    bmm2_scale: float = 1.0
+    max_seq_len: int | None = None  # None: max(seq_lens)
+    window_left: int | None = None  # None: no sliding window (see the module docstring)
+    q_lens: tuple[int, ...] | None = None  # None: q_len query tokens per request (see the module docstring)
 
     @property
     def page_size(self) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from ..core.errors import ProblemError
 from .packed import FORMATS, SCALE_CONVENTIONS, dequantize, packed_format, quantize
+from .problem import QueryShape
 
 D_V = 512
 UNPACKED = "bf16"  # a plain bf16 cache of 576-value rows (no packed format)
@@ -88,7 +89,7 @@ class SparseSpec:
 
 
 @dataclass
-class SparseDecodeProblem:
+class SparseDecodeProblem(QueryShape):
     query: torch.Tensor  # [B, q_len, H, d_qk] bf16
     kv_cache: torch.Tensor  # [P, page, d_qk]: the values the kernel is held to (NaN in unlisted slots)
     indices: torch.Tensor  # [B, q_len, topk] int32 slots, -1 masked
@@ -98,18 +99,6 @@ class SparseDecodeProblem:
     fmt: str = UNPACKED
     packed: torch.Tensor | None = None  # uint8 [P, FORMATS[fmt].page_bytes(page)] for a packed format
     d_v: int = D_V
-
-    @property
-    def batch(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def num_heads(self) -> int:
-        return self.query.shape[2]
 
     @property
     def page_size(self) -> int:
