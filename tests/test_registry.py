@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mla_verify.backends as registry
-from mla_verify.backends import ENTRY_POINT_GROUP, all_backends, builtin_backends, get_backend
+from mla_verify.backends import ENTRY_POINT_GROUP, all_backends, builtin_backends, get_backend, sparse_backends
 from mla_verify.backends.cpu_peer import cpu_peer_backend
 from mla_verify.core.errors import UsageError
 from mla_verify.problems.generate import ProblemSpec
@@ -56,7 +56,8 @@ def test_unknown_backend_is_a_one_line_usage_error(name: str, hint: str) -> None
         get_backend(name)
     message = str(err.value)
     assert "\n" not in message
-    assert message == f"unknown backend '{name}'{hint}; known: {', '.join(all_backends())}"
+    known = [*all_backends(), *sparse_backends()]  # the sparse registry's names are offered too
+    assert message == f"unknown backend '{name}'{hint}; known: {', '.join(known)}"
 
 
 # --- third-party backends through the entry-point group ---------------------------------------------------------
