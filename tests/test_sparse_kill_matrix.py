@@ -38,3 +38,14 @@ def test_premerge_is_deterministic():
     runs = [verify_sparse(backend, "cpu", "premerge", max_examples=DRAWN) for _ in range(2)]
     assert [c.spec for c in runs[0].cases] == [c.spec for c in runs[1].cases]
     assert runs[0].failure is not None and runs[0].failure.spec == runs[1].failure.spec
+
+
+def test_a_drawn_failure_is_shrunk_and_named():
+    # the dev profile has no corner cases: the failure is drawn, then shrunk by Hypothesis to the plainest problem
+    # that still has a -1 entry -- one request, one head, topk 64 -- and diagnosed there
+    backend = stand_in_backend(SPARSE_MUTANTS["minus1_unmasked"].faults, "minus1_unmasked")
+    result = verify_sparse(backend, "cpu", "dev", max_examples=30)
+    shrunk = result.failure
+    assert shrunk is not None
+    assert (shrunk.spec.batch, shrunk.spec.num_heads, shrunk.spec.topk, shrunk.spec.q_len) == (1, 1, 64, 1)
+    assert shrunk.diagnosis[0].startswith("minus1_read:")
