@@ -289,3 +289,38 @@ def test_flashmla_non_causal_multi_token_decode_is_a_warning(flash_mla) -> None:
         flashmla_call(flash_mla, softmax_scale=FLASHMLA_SPEC.bmm1_scale)  # causal defaults to False in FlashMLA
     site = only_site(s)
     assert site.warnings == 1 and site.not_checked["non-causal attention over several query tokens"] == 1
+
+
+# --- FlashMLA's sparse decode (the wheel's convention on CPU, mla_verify.kernels.sparse_mutants)
+
+def _sparse_call(module, out_of_pool: bool):
+    from mla_verify.problems.packed import FORMATS, kernel_view
+    from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
+
+    p = build_sparse_problem(SparseSpec(batch=2, num_heads=64, topk=64, used_pages=2))
+    if out_of_pool:
+        p.indices[1, 0, 5] = p.slots  # one past the pool: the kernel would read out of bounds
+    k_cache = kernel_view(p.packed, FORMATS[p.fmt], p.page_size)
+    return module.flash_mla_with_kvcache(p.query, k_cache, None, None, 512, module.get_mla_metadata()[0],
+                                         softmax_scale=p.softmax_scale, is_fp8_kvcache=True, indices=p.indices)
+
+
+@pytest.fixture
+def sparse_flash_mla(monkeypatch: pytest.MonkeyPatch):
+    from mla_verify.kernels.sparse_mutants import SparseStandIn
+
+    stand_in = SparseStandIn()
+    module = types.ModuleType("flash_mla")
+    module.flash_mla_with_kvcache = stand_in.flash_mla_with_kvcache
+    module.get_mla_metadata = stand_in.get_mla_metadata
+    monkeypatch.setitem(sys.modules, "flash_mla", module)
+    return module
+
+
+def test_flashmla_sparse_calls_are_counted_and_their_indices_bounds_checked(sparse_flash_mla) -> None:
+    with session() as s:
+        _sparse_call(sparse_flash_mla, out_of_pool=False)
+    site = only_site(s)
+    assert site.errors == 0 and site.not_checked["sparse attention (indices) is not computed by the reference"] == 1
+    with pytest.raises(ShadowError, match=r"neither -1 nor a slot of the pool .* first indices\[1, 0, 5\]"), session():
+        _sparse_call(sparse_flash_mla, out_of_pool=True)

@@ -191,9 +191,26 @@ FLASHMLA_UNREAD = (("indices", "sparse attention"), ("attn_sink", "attention sin
                    ("extra_k_cache", "extra KV scopes"))
 
 
+def sparse_index_findings(indices: torch.Tensor, cache: torch.Tensor) -> list[Finding]:
+    """FlashMLA's sparse decode masks -1 only and bounds-checks nothing else: any other index outside the pool of
+    ``cache`` [blocks, page, ...] rows is an out-of-bounds read, a blocking error before the call."""
+    slots = cache.shape[0] * cache.shape[1]
+    bad = (indices != -1) & ((indices < 0) | (indices >= slots))
+    if not bool(bad.any()):
+        return []
+    at = [int(x) for x in bad.nonzero()[0]]
+    return [Finding(ERROR, "indices", f"{int(bad.sum())} entries are neither -1 nor a slot of the pool "
+                    f"(0..{slots - 1}), first indices{at} = {int(indices[tuple(at)])}: FlashMLA masks -1 only and "
+                    "would read outside k_cache", blocking=True)]
+
+
 def read_flashmla(values: Mapping[str, Any]) -> LiveCall:
     """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse)."""
     contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
+    indices, cache = values.get("indices"), values.get("k_cache")
+    if isinstance(indices, torch.Tensor) and isinstance(cache, torch.Tensor) and cache.dim() == 4:
+        return LiveCall(None, contract, findings=sparse_index_findings(indices, cache),
+                        unchecked="sparse attention (indices) is not computed by the reference")
     for name, form in FLASHMLA_UNREAD:
         if values.get(name) is not None:
             return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")
