@@ -1,4 +1,7 @@
 """Strategies stay inside envelope and budget; premerge is reproducible; failures shrink."""
+import importlib
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,6 +56,18 @@ def test_premerge_is_reproducible():
     assert all(c.out is None and c.lse is None and c.problem is None for c in runs[0].cases)
     other_seed = verify(backend, "cpu", "dev", max_examples=6, seed=1)
     assert [c.id for c in other_seed.cases] != [c.id for c in runs[0].cases]
+
+
+def test_seeded_cases_do_not_depend_on_literals_in_local_source(tmp_path, monkeypatch):
+    # Hypothesis mixes literals from local modules (the user's kernel file, an editable install) into its
+    # draws; a seeded run must draw the same cases whether or not such a module is loaded (NARROW: small cases)
+    backend = TrtllmStyleBackend("correct", correct_kernel, NARROW)
+    before = [c.id for c in verify(backend, "cpu", "dev", max_examples=12).cases]
+    literals = ", ".join(str(n) for n in range(2, 3000, 7))
+    (tmp_path / "kernel_literals.py").write_text(f"SIZES = [{literals}]\nSCALES = [0.07, 0.21, 0.33, 1.7]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "kernel_literals", importlib.import_module("kernel_literals"))
+    assert [c.id for c in verify(backend, "cpu", "dev", max_examples=12).cases] == before
 
 
 def test_failure_is_shrunk_and_diagnosed():

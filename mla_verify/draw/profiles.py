@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.database import ExampleDatabase
+from hypothesis.internal.conjecture import providers
 
 from ..core.errors import UsageError
 
@@ -77,3 +78,24 @@ def hypothesis_storage() -> Iterator[None]:
             yield
         finally:
             set_hypothesis_home_dir(None)
+
+
+@contextmanager
+def draws_free_of_local_source(seeded: bool) -> Iterator[None]:
+    """Hypothesis mixes literals found in the source of local (not installed) modules into what it draws:
+    mla-verify's own when it is installed editable, the user's kernel file. A seeded run's cases would then
+    depend on how mla-verify was installed and on every literal in the kernel's file, so a seeded run draws
+    with no local constants (Hypothesis's built-in constants stay). This reaches into Hypothesis's internals;
+    where they have moved nothing changes, and tests/test_engine.py's test of this property fails."""
+    original = getattr(providers, "_get_local_constants", None)
+    if not seeded or original is None:
+        yield
+        return
+    none_local = providers.Constants()
+    providers.CONSTANTS_CACHE.cache.clear()  # holds (built-in, local) constants per kind of draw
+    providers._get_local_constants = lambda: none_local
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        providers.CONSTANTS_CACHE.cache.clear()

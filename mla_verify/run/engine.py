@@ -25,7 +25,8 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 
 from ..backends.base import Backend
-from ..draw.profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
+from ..draw.profiles import (Profile, draws_free_of_local_source, get_profile, hypothesis_settings,
+                             hypothesis_storage)
 from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
 from ..judge.diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case
@@ -205,7 +206,7 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
     if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
         search = hypothesis_seed(seed)(search)
     try:
-        with hypothesis_storage():
+        with hypothesis_storage(), draws_free_of_local_source(prof.deterministic):
             search()
     except _CaseFailed:
         pass

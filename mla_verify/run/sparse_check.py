@@ -22,7 +22,8 @@ from hypothesis import seed as hypothesis_seed
 from ..backends.base import ENVELOPE_PREFIX, SparseBackend
 from ..core.bits import changed_elements, same_bits
 from ..core.tracebacks import exception_line
-from ..draw.profiles import Profile, get_profile, hypothesis_settings, hypothesis_storage
+from ..draw.profiles import (Profile, draws_free_of_local_source, get_profile, hypothesis_settings,
+                             hypothesis_storage)
 from ..draw.sparse_strategies import sparse_corner_cases, sparse_specs
 from ..judge.sparse_judge import diagnose_sparse, judge_sparse
 from ..problems.sparse import SparseSpec, build_sparse_problem
@@ -135,7 +136,7 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     test = hypothesis_settings(prof, max_examples, None)(test)
     if prof.deterministic:
         test = hypothesis_seed(seed)(test)
-    with hypothesis_storage():
+    with hypothesis_storage(), draws_free_of_local_source(prof.deterministic):
         try:
             test()
         except _TimeUp:
