@@ -25,8 +25,7 @@ from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 
 from ..backends.base import Backend
-from ..draw.profiles import (Profile, draws_free_of_local_source, get_profile, hypothesis_settings,
-                             hypothesis_storage)
+from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
 from ..judge.diagnose import explained
 from .harness import SKIP_MEMORY, CaseResult, run_case

@@ -22,8 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from ..backends.base import ENVELOPE_PREFIX, SparseBackend
 from ..core.bits import changed_elements, same_bits
 from ..core.tracebacks import exception_line
-from ..draw.profiles import (Profile, draws_free_of_local_source, get_profile, hypothesis_settings,
-                             hypothesis_storage)
+from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.sparse_strategies import sparse_corner_cases, sparse_specs
 from ..judge.sparse_judge import diagnose_sparse, judge_sparse
 from ..problems.sparse import SparseSpec, build_sparse_problem
