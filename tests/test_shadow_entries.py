@@ -22,7 +22,7 @@ from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec, trtllm_args, wrapper_args
 from mla_verify.shadow import ShadowError, shadow
 from mla_verify.shadow.contract import ERROR
-from mla_verify.shadow.entries import result_parts
+from mla_verify.shadow.entries import FLASHINFER_SPARSE_UNREAD, result_parts
 from mla_verify.shadow.wrapper import _csr_findings, joined_cache
 
 fi_decode = pytest.importorskip("flashinfer.decode")
@@ -137,13 +137,32 @@ def test_an_lse_of_unfixed_base_is_a_warning_and_not_compared(stand_in) -> None:
     assert "return_lse_base: None under backend='auto'" in s.stream.getvalue()
 
 
-def test_forms_the_reference_does_not_compute_are_counted_not_judged(stand_in) -> None:
-    stand_in(halves_swapped)  # wrong, but for sparse MLA the reference has nothing to say
+def flashinfer_sparse_call(past_pool: bool = False):
+    """trtllm_batch_decode_with_kv_cache_mla(sparse_mla_top_k=...): the table's entries inside the pool under
+    either reading (token slots or page ids), -1 elsewhere; ``past_pool``: one entry past it under both."""
+    problem = build_problem(SPEC)
+    a = trtllm_args(problem, LayoutSpec())
+    slots = problem.num_pages * SPEC.page_size
+    table = torch.where((a.block_tables >= 0) & (a.block_tables < problem.num_pages), a.block_tables, -1)
+    if past_pool:
+        table[1, 0] = slots
+    return fi_decode.trtllm_batch_decode_with_kv_cache_mla(
+        a.query, a.kv_cache, torch.zeros(1 << 20, dtype=torch.uint8), 128, 512, 64, table, a.seq_lens,
+        a.max_seq_len, bmm1_scale=problem.bmm1_scale, backend="trtllm-gen", sparse_mla_top_k=table.shape[1])
+
+
+def test_flashinfer_sparse_calls_are_counted_with_why_and_bounds_checked(stand_in) -> None:
+    stand_in(halves_swapped)  # wrong, but which tokens a sparse entry names is not settled (shadow/entries.py)
     with session() as s:
-        flashinfer_call(backend="trtllm-gen", sparse_mla_top_k=64)
+        flashinfer_sparse_call()
     site = only_site(s)
-    assert site.compared == 0
-    assert site.not_checked["sparse MLA (sparse_mla_top_k) is not computed by the reference"] == 1
+    assert site.compared == 0 and site.errors == 0
+    assert site.not_checked[FLASHINFER_SPARSE_UNREAD] == 1
+    slots = build_problem(SPEC).num_pages * SPEC.page_size
+    with pytest.raises(ShadowError, match=rf"block_tables: 1 entries are neither -1 nor a slot of the pool "
+                       rf"\(0..{slots - 1}\), first block_tables\[1, 0\]") as caught, session():
+        flashinfer_sparse_call(past_pool=True)
+    assert "the kernel was not called" in str(caught.value)
 
 
 def test_a_workspace_not_zeroed_before_first_use_is_a_warning_once(stand_in) -> None:
@@ -289,38 +308,3 @@ def test_flashmla_non_causal_multi_token_decode_is_a_warning(flash_mla) -> None:
         flashmla_call(flash_mla, softmax_scale=FLASHMLA_SPEC.bmm1_scale)  # causal defaults to False in FlashMLA
     site = only_site(s)
     assert site.warnings == 1 and site.not_checked["non-causal attention over several query tokens"] == 1
-
-
-# --- FlashMLA's sparse decode (the wheel's convention on CPU, mla_verify.kernels.sparse_mutants)
-
-def _sparse_call(module, out_of_pool: bool):
-    from mla_verify.problems.packed import FORMATS, kernel_view
-    from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
-
-    p = build_sparse_problem(SparseSpec(batch=2, num_heads=64, topk=64, used_pages=2))
-    if out_of_pool:
-        p.indices[1, 0, 5] = p.slots  # one past the pool: the kernel would read out of bounds
-    k_cache = kernel_view(p.packed, FORMATS[p.fmt], p.page_size)
-    return module.flash_mla_with_kvcache(p.query, k_cache, None, None, 512, module.get_mla_metadata()[0],
-                                         softmax_scale=p.softmax_scale, is_fp8_kvcache=True, indices=p.indices)
-
-
-@pytest.fixture
-def sparse_flash_mla(monkeypatch: pytest.MonkeyPatch):
-    from mla_verify.kernels.sparse_mutants import SparseStandIn
-
-    stand_in = SparseStandIn()
-    module = types.ModuleType("flash_mla")
-    module.flash_mla_with_kvcache = stand_in.flash_mla_with_kvcache
-    module.get_mla_metadata = stand_in.get_mla_metadata
-    monkeypatch.setitem(sys.modules, "flash_mla", module)
-    return module
-
-
-def test_flashmla_sparse_calls_are_counted_and_their_indices_bounds_checked(sparse_flash_mla) -> None:
-    with session() as s:
-        _sparse_call(sparse_flash_mla, out_of_pool=False)
-    site = only_site(s)
-    assert site.errors == 0 and site.not_checked["sparse attention (indices) is not computed by the reference"] == 1
-    with pytest.raises(ShadowError, match=r"neither -1 nor a slot of the pool .* first indices\[1, 0, 5\]"), session():
-        _sparse_call(sparse_flash_mla, out_of_pool=True)

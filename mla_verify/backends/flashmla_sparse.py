@@ -31,6 +31,8 @@ from .base import PreparedCall, SparseBackend
 from .flashmla import FlashMLAApi, flashmla_unavailable, installed_api
 
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
+# the format the wheel reads rows of this width as when kv_format is None; 528 is V4.1 unless told V32_NO_ROPE
+WHEEL_FORMAT_BY_BYTES = {656: "V32", 584: "V4"}
 FLASHMLA_SPARSE_ENVELOPE = SparseEnvelope(
     devices=("cuda",), archs=((9, 0),), formats=("V32", "V32_NO_ROPE", "V4"), topk_multiple=64, max_topk=2048,
     max_heads=128, q_len=(1, 2), page_sizes=(64, 2, 61, 69), topk_length_formats=("V4",), lse_base=math.e,

@@ -16,13 +16,17 @@ from typing import Any
 import torch
 
 from ..backends.flashmla import FlashMLAApi
-from ..backends.flashmla_sparse import FLASHMLA_HEADS, FLASHMLA_SPARSE_ENVELOPE, FlashMLASparseBackend
+from ..backends.flashmla_sparse import (
+    FLASHMLA_HEADS,
+    FLASHMLA_SPARSE_ENVELOPE,
+    WHEEL_FORMAT_BY_BYTES,
+    FlashMLASparseBackend,
+)
 from ..problems.envelope import SparseEnvelope
 from ..problems.packed import FORMATS, FP8, dequantize, next_tile, truncated_to_pow2
 from ..problems.sparse import SparseSpec
 
 CPU_SPARSE_ENVELOPE = replace(FLASHMLA_SPARSE_ENVELOPE, devices=("cpu",), archs=None)
-BYTES_TO_FORMAT = {656: "V32", 584: "V4"}  # 528 is V4.1 to the wheel unless kv_format says V32_NO_ROPE
 
 
 def _stored(scales: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ class SparseStandIn:
         _check(indices.dtype == torch.int32 and indices.shape[-1] % 64 == 0, "topk must be a multiple of 64")
         _check(head_dim_v == 512, "head_dim_v must be 512")
         width = k_cache.shape[-1]
-        fmt_name = kv_format or BYTES_TO_FORMAT.get(width, "V41")
+        fmt_name = kv_format or WHEEL_FORMAT_BY_BYTES.get(width, "V41")
         _check(fmt_name in FORMATS and FORMATS[fmt_name].bytes_per_token == width,
                f"{width}-byte rows as {fmt_name}: not a format SM90 runs")
         _check(topk_length is None or fmt_name != "V32", "V3.2 does not support dynamic topk length")

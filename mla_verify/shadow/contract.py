@@ -205,6 +205,24 @@ def check_scales(args: PagedArgs, facts: ModelFacts) -> list[Finding]:
     return found
 
 
+def check_softmax_scale(scale: float, kv_lora_rank: int, rope: int, facts: ModelFacts) -> list[Finding]:
+    """A softmax scale given as such (no fp8 dequant folded in), against the conventions: sparse calls."""
+    told = facts.qk_nope_head_dim
+    finding = _judge_bmm1(scale, told or DEEPSEEK_QK_NOPE, kv_lora_rank, rope, facts, 1.0, told)
+    return [] if finding is None else [Finding(finding.severity, "softmax_scale", finding.message)]
+
+
+def sparse_index_findings(indices: torch.Tensor, slots: int, reader: str, name: str = "indices") -> list[Finding]:
+    """Sparse kernels mask -1 only and bounds-check nothing else: an index that is neither -1 nor one of the pool's
+    ``slots`` is an out-of-bounds read by ``reader`` (a sentence), a blocking error before the call."""
+    bad = (indices != -1) & ((indices < 0) | (indices >= slots))
+    if not bool(bad.any()):
+        return []
+    at = [int(x) for x in bad.nonzero()[0]]
+    return [Finding(ERROR, name, f"{int(bad.sum())} entries are neither -1 nor a slot of the pool "
+                    f"(0..{slots - 1}), first {name}{at} = {int(indices[tuple(at)])}: {reader}", blocking=True)]
+
+
 def scale_conventions(nope: int, kv_lora_rank: int, rope: int, facts: ModelFacts,
                       dequant: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
     """(right, wrong): named softmax scales (times ``dequant``) a call's bmm1 may be, and known mistakes."""

@@ -6,7 +6,8 @@
   which are counted as seen but not checked;
 - DeepSeek's ``flash_mla.flash_mla_with_kvcache``: [blocks, page, 1, D] cache, softmax_scale defaulting to
   1/sqrt(head_dim of q), LSE [B, H, s_q] in natural log.
-The wrapper's plan/run pair is read in shadow_wrapper.py. Nothing here calls a kernel or changes a tensor.
+The wrapper's plan/run pair is read in wrapper.py, FlashMLA's sparse calls in sparse.py. Nothing here calls a
+kernel or changes a tensor.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
 from ..backends.trtllm_style import split_lse
 from ..core.bits import same_bits
-from .contract import ERROR, WARNING, Finding, KernelContract, PagedArgs
+from ..problems.sparse import SparseDecodeProblem
+from .contract import ERROR, WARNING, Finding, KernelContract, PagedArgs, sparse_index_findings
 
 Canonical = Callable[[Any], "tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]"]
 CONTRACT1_ORDER = ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
@@ -31,7 +33,8 @@ LN_BASE = math.e
 
 @dataclass
 class LiveCall:
-    """One intercepted call read in the suite's terms. ``args`` None: a form the shadow does not read."""
+    """One intercepted call read in the suite's terms. ``args`` None: a form the shadow does not read as a dense
+    paged problem -- a sparse call then carries its problem in ``sparse``, built before the kernel runs."""
 
     args: PagedArgs | None
     contract: KernelContract
@@ -42,6 +45,7 @@ class LiveCall:
     unchecked: str | None = None  # why its numbers are not checked
     findings: list[Finding] = field(default_factory=list)
     table_width: str | None = None  # LayoutSpec.table_width override (CSR metadata is never padded)
+    sparse: SparseDecodeProblem | None = None
 
 
 def bind_arguments(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> dict[str, Any] | None:
@@ -138,13 +142,17 @@ def read_contract1(values: Mapping[str, Any], contract: KernelContract, replay: 
 FLASHINFER_ENVELOPES = {"trtllm-gen": TRTLLM_GEN_ENVELOPE, "cute-dsl": CUTE_DSL_ENVELOPE, "xqa": XQA_ENVELOPE}
 # the forms FlashInfer's function takes that the reference does not compute: (argument, is it used, the form)
 UNREAD_FORMS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("sparse_mla_top_k", lambda v: bool(v), "sparse MLA"),
     ("cum_seq_lens_q", lambda v: v is not None, "compact variable-q query"),
     ("sinks", lambda v: v is not None, "attention sinks"),
     ("skip_softmax_threshold_scale_factor", lambda v: v is not None, "skip-softmax"),
     ("uses_shared_paged_kv_idx", lambda v: v is False, "TRT-LLM's separate K/V page tables"),
     ("enable_dcp", lambda v: bool(v), "decode context parallelism"),
 )
+# FlashInfer 0.7.4's sources disagree on what a sparse block_tables entry is: its trace reference gathers whole
+# pages (`trace/templates/attention.py`, "top-k page index"), its docstring calls it "the usual paged block table",
+# its tests write token slots (page * page_size + offset). Only a Blackwell run can tell; until then: not compared.
+FLASHINFER_SPARSE_UNREAD = ("sparse MLA (sparse_mla_top_k) is not compared: FlashInfer 0.7.4 reads block_tables "
+                            "entries as top-k page ids in its trace reference and as token slots in its tests")
 LSE_BASES = {"base2": 2.0, "basee": LN_BASE}
 DEFAULT_LSE_BASE = {"trtllm-gen": 2.0, "cute-dsl": LN_BASE, "xqa": None}  # return_lse_base=None, FlashInfer 0.7.4
 
@@ -155,6 +163,9 @@ def read_flashinfer_trtllm(values: Mapping[str, Any], seen_workspaces: set[int])
     envelope = FLASHINFER_ENVELOPES.get(backend)
     contract = KernelContract(f"trtllm_batch_decode_with_kv_cache_mla(backend={backend!r})", envelope=envelope,
                               envelope_severity=WARNING, lse_base=base)
+    if values.get("sparse_mla_top_k"):
+        return LiveCall(None, contract, findings=_flashinfer_sparse_findings(values),
+                        unchecked=FLASHINFER_SPARSE_UNREAD)
     for name, used, form in UNREAD_FORMS:
         if used(values.get(name)):
             return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")
@@ -172,6 +183,15 @@ def read_flashinfer_trtllm(values: Mapping[str, Any], seen_workspaces: set[int])
     return call
 
 
+def _flashinfer_sparse_findings(values: Mapping[str, Any]) -> list[Finding]:
+    """An entry that is neither -1 nor below pages * page_size is outside kv_cache under either reading."""
+    table, cache = values.get("block_tables"), values.get("kv_cache")
+    if not isinstance(table, torch.Tensor) or not isinstance(cache, torch.Tensor) or cache.dim() not in (3, 4):
+        return []
+    return sparse_index_findings(table, cache.shape[0] * cache.shape[-2], "read as token slots or as page ids, "
+                                 "the kernel would read outside kv_cache", name="block_tables")
+
+
 def _workspace_findings(workspace: torch.Tensor, query: torch.Tensor, seen: set[int]) -> list[Finding]:
     if workspace.device != query.device:
         return [Finding(ERROR, "workspace_buffer", f"on {workspace.device}, the query on {query.device}",
@@ -187,30 +207,13 @@ def _workspace_findings(workspace: torch.Tensor, query: torch.Tensor, seen: set[
 
 # --- FlashMLA
 
-FLASHMLA_UNREAD = (("indices", "sparse attention"), ("attn_sink", "attention sinks"),
-                   ("extra_k_cache", "extra KV scopes"))
-
-
-def sparse_index_findings(indices: torch.Tensor, cache: torch.Tensor) -> list[Finding]:
-    """FlashMLA's sparse decode masks -1 only and bounds-checks nothing else: any other index outside the pool of
-    ``cache`` [blocks, page, ...] rows is an out-of-bounds read, a blocking error before the call."""
-    slots = cache.shape[0] * cache.shape[1]
-    bad = (indices != -1) & ((indices < 0) | (indices >= slots))
-    if not bool(bad.any()):
-        return []
-    at = [int(x) for x in bad.nonzero()[0]]
-    return [Finding(ERROR, "indices", f"{int(bad.sum())} entries are neither -1 nor a slot of the pool "
-                    f"(0..{slots - 1}), first indices{at} = {int(indices[tuple(at)])}: FlashMLA masks -1 only and "
-                    "would read outside k_cache", blocking=True)]
+FLASHMLA_UNREAD = (("attn_sink", "attention sinks"), ("extra_k_cache", "extra KV scopes"))
 
 
 def read_flashmla(values: Mapping[str, Any]) -> LiveCall:
-    """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse)."""
+    """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse).
+    A sparse call (``indices=``) is shadow/sparse.py's."""
     contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
-    indices, cache = values.get("indices"), values.get("k_cache")
-    if isinstance(indices, torch.Tensor) and isinstance(cache, torch.Tensor) and cache.dim() == 4:
-        return LiveCall(None, contract, findings=sparse_index_findings(indices, cache),
-                        unchecked="sparse attention (indices) is not computed by the reference")
     for name, form in FLASHMLA_UNREAD:
         if values.get(name) is not None:
             return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")

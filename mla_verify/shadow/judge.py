@@ -1,9 +1,12 @@
 """Shadow mode's judgement of one live call: its arguments before the kernel runs (``precheck``), its result
 after (``judge``), with the suite's own reference, tolerance model and diagnosis -- exactly what a drawn case
 gets from the harness (the reference precision per device included), applied to the engine's own tensors.
+A sparse call is judged as ``mla-verify check`` judges a sparse case: the float64 sparse reference and
+judge/sparse_judge.py's verdict and diagnosis.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,9 +16,12 @@ from ..core.errors import ProblemError
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats, baseline_result, compare
 from ..judge.diagnose import diagnose
+from ..judge.sparse_judge import diagnose_sparse, judge_sparse
 from ..problems.generate import dtype_name
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
+from ..problems.sparse import SparseDecodeProblem
+from ..problems.sparse_reference import sparse_reference
 from ..run.harness import judge_reference
 from .contract import (
     ERROR,
@@ -35,8 +41,8 @@ from .problem import describing_spec, live_layout, live_problem
 class Precheck:
     """The call read as a problem (None when it cannot be) and what its arguments break."""
 
-    problem: DecodeProblem | None
-    layout: LayoutSpec | None
+    problem: DecodeProblem | SparseDecodeProblem | None
+    layout: LayoutSpec | None  # None for a sparse call
     findings: list[Finding]
 
     @property
@@ -60,7 +66,7 @@ def precheck(call: LiveCall, facts: ModelFacts) -> Precheck:
     findings = list(call.findings)
     args = call.args
     if args is None:
-        return Precheck(None, None, findings)
+        return Precheck(call.sparse, None, findings)
     findings += check_layout(args, call.contract)
     if not any(f.blocking for f in findings):
         findings += check_lengths(args)
@@ -78,7 +84,7 @@ def precheck(call: LiveCall, facts: ModelFacts) -> Precheck:
     return Precheck(problem, layout, findings)
 
 
-def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgement:
+def judge(call: LiveCall, problem: DecodeProblem | SparseDecodeProblem | None, result: Any) -> Judgement:
     """The result's form, then (for a readable, checkable call) its numbers against the reference."""
     if call.to_canonical is None:
         return Judgement()
@@ -90,6 +96,11 @@ def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgeme
     verdict = Judgement(findings=found, out=out, lse=lse)
     if problem is None or call.unchecked or out is None:
         return verdict
+    if isinstance(problem, SparseDecodeProblem):
+        natural = natural_lse(lse, call.contract.lse_base if call.return_lse else None)
+        verdict.failures = judge_sparse(problem, out, natural, sparse_reference(problem))
+        verdict.compared = True
+        return verdict
     ref = judge_reference(problem)
     baseline = baseline_result(problem, dtype_name(problem))  # its LSE sets the LSE allowance, as in check
     base = call.contract.lse_base if call.return_lse else None
@@ -98,8 +109,17 @@ def judge(call: LiveCall, problem: DecodeProblem | None, result: Any) -> Judgeme
     return verdict
 
 
-def explain(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float | None) -> list[str]:
-    """diagnose.py's explanations of a mismatching output (the LSE only where its base is known)."""
+def natural_lse(lse: torch.Tensor | None, base: float | None) -> torch.Tensor | None:
+    """An LSE in base ``base`` in natural-log units (None when its base is not known)."""
+    return None if lse is None or base is None else lse * math.log(base)
+
+
+def explain(problem: DecodeProblem | SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
+            lse_base: float | None) -> list[str]:
+    """diagnose.py's (sparse_judge.py's) explanations of a mismatching output (the LSE only where its base is
+    known)."""
+    if isinstance(problem, SparseDecodeProblem):
+        return diagnose_sparse(problem, out, natural_lse(lse, lse_base))
     if tuple(out.shape) != problem.out_shape:
         return []
     use_lse = lse if lse_base is not None and lse is not None and tuple(lse.shape) == problem.out_shape[:3] else None

@@ -4,8 +4,9 @@
         engine.run_decode_step(...)
 
 While a session is on, FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` (wherever a module binds it),
-``BatchMLAPagedAttentionWrapper.plan``/``run``, FlashMLA's ``flash_mla_with_kvcache`` (when installed) and every
-kernel named in ``kernels=`` (a Contract-1 callable, ``MODULE:ATTR`` or the object) are wrapped. A sampled call's
+``BatchMLAPagedAttentionWrapper.plan``/``run``, FlashMLA's ``flash_mla_with_kvcache`` (when installed; sparse
+calls included, shadow/sparse.py) and every kernel named in ``kernels=`` (a Contract-1 callable, ``MODULE:ATTR``
+or the object) are wrapped. A sampled call's
 arguments are checked against the kernel's contract (shadow/contract.py); the kernel runs; the same call is then
 recomputed with the reference from the same tensors and judged by the tolerance model (shadow/judge.py). A
 mismatch keeps a reproducer (shadow/fixture.py) and is reported once per call site with its diagnosis. In
@@ -29,6 +30,7 @@ from typing import IO, Any
 import torch
 
 from ..core.errors import MLAVerifyError, UsageError
+from ..problems.problem import DecodeProblem
 from .contract import ERROR, WARNING, Finding, KernelContract, ModelFacts
 from .entries import (
     LiveCall,
@@ -42,6 +44,7 @@ from .fixture import DEFAULT_CAP_MIB, keep_reproducer
 from .judge import Judgement, Precheck, explain, judge, precheck
 from .patch import Installed, install_function, install_method, uninstall
 from .problem import describing_spec
+from .sparse import describe_sparse, read_flashmla_sparse
 from .tally import Sampler, SiteTally, Tally
 from .wrapper import WrapperPlans
 
@@ -282,9 +285,11 @@ class ShadowSession:
     def _explain_and_keep(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
                           verdict: Judgement, findings: list[Finding]) -> tuple[list[str], Kept | None]:
         problem, out, lse, layout = pre.problem, verdict.out, verdict.lse, pre.layout
-        assert problem is not None and out is not None and layout is not None
+        assert problem is not None and out is not None
         base = call.contract.lse_base if call.return_lse else None
         diagnosis = self._guarded(tally, lambda: explain(problem, out, lse, base)) or []
+        if not isinstance(problem, DecodeProblem) or layout is None:
+            return diagnosis, (None, "reproducer not kept: a live sparse call has no reproducer format yet")
         record = {"entry": entry.label, "call_site": site, "backend": call.replay, "reason": verdict.failures[0],
                   "failures": verdict.failures, "diagnosis": diagnosis, "findings": [str(f) for f in findings],
                   "stats": None if verdict.stats is None else verdict.stats.to_json(), "mode": self.mode}
@@ -303,8 +308,10 @@ class ShadowSession:
         else:
             headline = "ARGUMENT WARNING"
         lines = [f"mla-verify shadow: {headline} at {site} in {call.contract.name}"]
-        if pre.problem is not None:
+        if isinstance(pre.problem, DecodeProblem):
             lines.append(f"  call: {describing_spec(pre.problem).describe()}")
+        elif pre.problem is not None:
+            lines.append(f"  call: {describe_sparse(pre.problem)}")
         if stopped:
             lines.append("  the kernel was not called: it would read outside its tensors or misread them")
         lines += [f"  {f.severity}: {f}" for f in findings]
@@ -392,7 +399,7 @@ def _library_entries(notes: list[str]) -> list[_Entry]:
         notes.append(f"FlashMLA is not wrapped: import failed ({type(exc).__name__}: {exc})")
     else:
         entries.append(_Entry("flash_mla.flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache,
-                              lambda s, v: read_flashmla(v)))
+                              lambda s, v: read_flashmla_sparse(v, s.facts) or read_flashmla(v)))
     return entries
 
 
