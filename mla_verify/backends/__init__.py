@@ -39,9 +39,10 @@ def sparse_backends() -> dict[str, SparseBackend]:
     """The built-in sparse (top-k) decode backends by name: a registry of their own, as they judge another kind
     of problem (problems/sparse.py); their names differ from every dense backend's."""
     from .fa3_sparse import fa3_sparse_backend
+    from .flashinfer_trtllm import flashinfer_sparse_backends
     from .flashmla_sparse import flashmla_sparse_backend
 
-    return {b.name: b for b in (flashmla_sparse_backend(), fa3_sparse_backend())}
+    return {b.name: b for b in (flashmla_sparse_backend(), fa3_sparse_backend(), *flashinfer_sparse_backends())}
 
 
 def _plugin_backends() -> list[Backend]:

@@ -2,6 +2,8 @@
 ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla(..., backend=...)``.
 
 All three take Contract 1's arguments, so they are ``TrtllmStyleBackend``s: the very adapter user kernels get.
+The same function's sparse paths (``sparse_mla_top_k``: trtllm-gen, and the packed SM120 one) are the sparse
+backends ``trtllm-gen-sparse`` and ``flashinfer-sparse-sm120`` at the end.
 Envelopes are read from the FlashInfer 0.7.4 source (see docs/backends.md for the line references). The
 architecture is checked before FlashInfer is imported or called: on SM90 an explicit ``backend="trtllm-gen"``
 call has no Python-side architecture check and would go fetch cubins from the network first.
@@ -13,7 +15,11 @@ from typing import Any
 import torch
 
 from ..core.platform import flashinfer_unavailable
-from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
+from ..problems.envelope import SparseEnvelope
+from ..problems.packed import FORMATS, unpack
+from ..problems.sparse import SparseDecodeProblem
+from .base import PreparedCall, SparseBackend
+from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend, make_workspace, split_lse
 
 BLACKWELL_DC = ((10, 0), (10, 3), (10, 7))  # SM100 / SM103 / SM107: the archs trtllm-gen's FmhaRunner accepts
 SM12X = ((12, 0), (12, 1))
@@ -77,3 +83,93 @@ def trtllm_backends() -> list[FlashInferTrtllmBackend]:
                                 "FlashInfer XQA MLA decode (SM120/121)", {"backend": "xqa"}),
     ]
 
+
+
+# --- sparse (top-k) decode through the same function, ``sparse_mla_top_k=topk`` (FlashInfer 0.7.4, mla/_core.py)
+
+TRTLLM_GEN_SPARSE_ENVELOPE = SparseEnvelope(
+    devices=("cuda",), archs=BLACKWELL_DC, formats=("bf16", "V32"), topk_multiple=64, max_topk=2048,
+    max_heads=128, q_len=(1, 2), page_sizes=(32, 64), topk_length_formats=("bf16", "V32"), sinks=False,
+    lse_base=2.0,
+    notes="trtllm-gen sparse MLA: a dense bf16 cache [P, 1, page, 576]; page 32/64 "
+          "(_trtllm_gen_mla_incompatibility_reason); block_tables [B, q_len, topk] token slots with -1, as "
+          "FlashInfer's sparse-MLA benchmark writes them (its trace reference reads page ids: unverified until "
+          "an SM100 run); topk_length sent as -1 entries; sinks left out (their units are not documented)",
+)
+SM120_SPARSE_ENVELOPE = SparseEnvelope(
+    devices=("cuda",), archs=SM12X, formats=("V32", "V32_NO_ROPE"), topk_multiple=64, max_topk=2048,
+    max_heads=128, q_len=(1, 2), topk_length_formats=("V32", "V32_NO_ROPE"), sinks=False, lse_base=2.0,
+    notes="_trtllm_batch_decode_sparse_mla_v32_sm120: the packed uint8 cache (656-byte V3.2 rows, or 528-byte "
+          "no-RoPE rows with arbitrary_fp32 scales), block_tables [B, q_len, topk] token slots, seq_lens the "
+          "per-token active topk; bmm2_scale 1; heads <= 128; sinks left out (their units are not documented)",
+)
+SPARSE_NOPE = 128  # qk_nope_head_dim passed along (DeepSeek V3.2's); FlashInfer's sparse paths do not use it
+
+
+def scale_format(problem: SparseDecodeProblem) -> str:
+    """FlashInfer's ``kv_scale_format`` for a packed cache: ``pow2_fp32`` when every stored scale is a power of
+    two (DeepSeek's writer), else ``arbitrary_fp32``; the no-RoPE layout takes ``arbitrary_fp32`` only."""
+    assert problem.packed is not None
+    fmt = FORMATS[problem.fmt]
+    scales = unpack(problem.packed, fmt, problem.page_size)[1]
+    scales = scales[scales.isfinite()]  # a slot no index lists holds NaN
+    pow2 = bool((torch.log2(scales) == torch.log2(scales).round()).all())
+    return "pow2_fp32" if pow2 and fmt.rope else "arbitrary_fp32"
+
+
+class FlashInferSparseBackend(SparseBackend):
+    """FlashInfer's sparse MLA decode: ``trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=topk,
+    backend=fi_backend)`` -- ``"trtllm-gen"`` over a dense bf16 cache, or ``"sparse"`` (SM120/121) over the
+    packed one; LSE asked for in base 2."""
+
+    def __init__(self, name: str, envelope: SparseEnvelope, fi_backend: str, description: str):
+        self.name, self.envelope, self.fi_backend, self.description = name, envelope, fi_backend, description
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return super().unavailable_reason(device) or flashinfer_unavailable()
+
+    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+        p = problem.validate()
+        B, Q, H, D = p.query.shape
+        device = p.query.device
+        if device not in self._workspaces:
+            self._workspaces[device] = make_workspace(device)
+        topk = p.indices.shape[-1]
+        extra: dict[str, Any] = {}
+        if self.fi_backend == "trtllm-gen":
+            heads = 128 if 64 < H < 128 else H  # trtllm-gen takes no 64 < h_q < 128: padded as engines do
+            q = torch.zeros((B, Q, heads, D), dtype=torch.bfloat16, device=device)
+            q[:, :, :H] = p.query
+            kv = p.kv_cache.to(torch.bfloat16).unsqueeze(1)  # [P, 1, page, D]
+            table = torch.where(p.masked(), -1, p.indices).to(torch.int32).contiguous()
+            lens: torch.Tensor | None = torch.full((B,), p.slots, dtype=torch.int32, device=device)
+        else:
+            if p.packed is None:
+                raise ValueError("FlashInfer's SM120 sparse decode reads a packed cache; this problem has none")
+            fmt = FORMATS[p.fmt]
+            q, table = p.query, p.indices
+            kv = p.packed.view(p.kv_cache.shape[0], 1, p.page_size, fmt.bytes_per_token)
+            lens = None if p.topk_length is None else p.topk_length[:, None].expand(B, Q).contiguous()
+            extra["kv_scale_format"] = scale_format(p)
+
+        def invoke() -> Any:
+            return flashinfer_mla_decode(q, kv, self._workspaces[device], SPARSE_NOPE, p.d_v, D - p.d_v, table, lens,
+                                         p.slots, sparse_mla_top_k=topk, bmm1_scale=float(p.softmax_scale),
+                                         bmm2_scale=1.0, return_lse=True, return_lse_base="base2",
+                                         backend=self.fi_backend, **extra)
+
+        def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out, lse = result  # out [B, q_len, h_q, 512]; lse [B * q_len, h_q]
+            return out[:, :, :H], split_lse(lse, B, Q)[:, :, :H]
+
+        return PreparedCall(invoke, {"query": q, "kv_cache": kv, "block_tables": table}, None, to_canonical)
+
+
+def flashinfer_sparse_backends() -> list[FlashInferSparseBackend]:
+    return [
+        FlashInferSparseBackend("trtllm-gen-sparse", TRTLLM_GEN_SPARSE_ENVELOPE, "trtllm-gen",
+                                "FlashInfer trtllm-gen sparse (top-k) MLA decode over a dense bf16 cache"),
+        FlashInferSparseBackend("flashinfer-sparse-sm120", SM120_SPARSE_ENVELOPE, "sparse",
+                                "FlashInfer's SM120/121 sparse (top-k) MLA decode over the packed FP8 cache"),
+    ]
