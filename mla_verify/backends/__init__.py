@@ -30,9 +30,10 @@ def builtin_backends() -> list[Backend]:
     from .flashinfer_swa import swa_backend
     from .flashinfer_trtllm import trtllm_backends
     from .flashinfer_wrapper import wrapper_backends
-    from .flashmla import flashmla_backend
+    from .flashmla import flashmla_backends
 
-    return [*trtllm_backends(), *wrapper_backends(), swa_backend(), flashmla_backend(), cpu_peer_backend()]
+    return [*trtllm_backends(), *wrapper_backends(), swa_backend(), *flashmla_backends(),
+            cpu_peer_backend()]
 
 
 def sparse_backends() -> dict[str, SparseBackend]:

@@ -19,8 +19,13 @@ from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 from ..problems.sparse import SparseDecodeProblem, SparseSpec
 
-__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "Backend", "Envelope", "PreparedCall", "SparseBackend",
-           "SparseEnvelope", "WarmupModule", "device_reason"]
+__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "INVARIANT_BITS", "INVARIANT_WITHIN_TOLERANCE", "Backend", "Envelope",
+           "PreparedCall", "SparseBackend", "SparseEnvelope", "WarmupModule", "device_reason"]
+
+# What a backend claims when its batch is reordered (Backend.batch_invariance): the very same bits, or only
+# the same values within the tolerance model (a kernel whose split-KV schedule depends on the whole batch)
+INVARIANT_BITS = "bits"
+INVARIANT_WITHIN_TOLERANCE = "tolerance"
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Backend(ABC):
     # a user kernel's file ("file") and the folder its module is imported from ("sys_path"): reproducers
     # record it, so that replay finds the kernel from any directory (user_kernel.load_kernel)
     source: dict[str, str] | None = None
+    # the batch-order metamorphic check judges by this claim (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE)
+    batch_invariance: str = INVARIANT_BITS
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` at all (library, architecture), or None."""

@@ -1,59 +1,59 @@
-"""DeepSeek's FlashMLA dense paged decode: ``flash_mla.get_mla_metadata`` + ``flash_mla.flash_mla_with_kvcache``.
+"""DeepSeek's FlashMLA dense paged decode, bf16 (``flashmla``) and per-tensor fp8 (``flashmla-fp8``).
 
-Read from FlashMLA's public source at commit 9241ae3 (2026-04-29): ``flash_mla/flash_mla_interface.py``,
-``csrc/api/dense_decode.h`` and ``csrc/sm90/decode/dense/splitkv_mla.cuh`` (docs/backends.md has the lines).
+Read from FlashMLA's public source at commit 9241ae3 (2026-04-29), ``flash_mla/flash_mla_interface.py``,
+``csrc/api/dense_decode.h``, ``csrc/sm90/decode/dense/splitkv_mla.cuh``, and from the sgl-flash-mla 1.0.0 wheel's
+``flash_mla/flash_mla_interface.py`` (docs/backends.md has the lines). Which interface is installed, and
+``use_legacy``, are ``flashmla_api``'s.
 
-- Layout: query ``[B, q_len, H, 576]``; cache ``[num_blocks, 64, num_heads_k = 1, 576]`` -- our 3-D pool with a
-  unit head axis after the page axis, a view (page-strided pools too: the row and block strides go to the
-  kernel's TMA descriptor); ``block_table [B, W]`` int32 (any width); ``cache_seqlens [B]`` int32, the KV length
-  including the q_len new tokens; ``head_dim_v`` = kv_lora_rank = 512.
-- ``softmax_scale = bmm1_scale``, always passed: FlashMLA's default is 1/sqrt(576). There is no output scale,
-  so ``bmm2_scale`` is the harness's ``output_scale``, applied in float64 when judging.
+- Layout: query ``[B, q_len, H, D]`` (D = 576, or 512 without rope); cache ``[num_blocks, 64, num_heads_k = 1,
+  D]`` -- our 3-D pool with a unit head axis after the page axis, a view (page-strided pools too: the row and
+  block strides go to the kernel); ``block_table [B, W]`` int32 (any width); ``cache_seqlens [B]`` int32, the
+  KV length including the q_len new tokens; ``head_dim_v`` = kv_lora_rank = 512.
+- bf16: ``softmax_scale = bmm1_scale``, always passed (FlashMLA's default is 1/sqrt(D)). There is no output
+  scale, so ``bmm2_scale`` is the harness's ``output_scale``, applied in float64 when judging.
+- fp8 (wheel only, ``is_fp8_kvcache=True``): fp8 e4m3 query and cache, D = 576, out bf16. The kernel computes
+  scores = softmax_scale * descale_q * descale_k * q.k and O = softmax . V * descale_k (sgl FlashMLA
+  ``flash_fwd_mla_kernel.h``), so the problem's scales are split as an engine splits them: ``descale_k =
+  bmm2_scale`` (V's dequant scale and any output scale), ``softmax_scale`` the model's 1/sqrt(nope + rope),
+  and ``descale_q`` the rest of bmm1; each a ``(1,)`` fp32 tensor. Its schedule must exist before the first
+  call: ``get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)`` assigned to the sched meta.
 - ``causal=True``: bottom-right, as ours (FlashMLA's reference masks with ``tril(diagonal=s_k - s_q)``).
 - Returns ``(out [B, q_len, H, 512], lse [B, H, q_len])``; out is allocated by FlashMLA (no ``out=``), LSE is
-  fp32 in natural log.
-- The metadata call: at 9241ae3 ``get_mla_metadata(*args)`` ignores its arguments and the schedule is made on
-  the first kernel call; FlashMLA of 2025 (c28eca9) computed it from ``(cache_seqlens, q_len * H // h_k,
-  h_k)``. The backend passes those arguments, so both interfaces get what they expect.
+  fp32 in natural log; a row with no keys gets out 0 and LSE +inf.
+- Batch order: FlashMLA splits each sequence's KV over SM partitions by a schedule computed from the whole
+  batch's lengths, so reversing the batch moves the split points and the bits (not the values): the backends
+  claim batch-order invariance within tolerance only (``Backend.batch_invariance``).
 
-The two callables are injected (``FlashMLAApi``): the real ``flash_mla`` functions by default, or a stand-in
-with FlashMLA's calling convention (``mla_verify.kernels.flashmla_cpu``), which is how the layout code above is
-proven on CPU.
+The callables are injected (``FlashMLAApi``): the real ``flash_mla`` functions by default, or a stand-in with
+either interface (``mla_verify.kernels.flashmla_cpu``), which is how the layout code above is proven on CPU.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..core.platform import import_error
+from ..core.dims import softmax_scale as model_softmax_scale
 from ..problems.layouts import LayoutSpec, trtllm_args
 from ..problems.problem import DecodeProblem
-from .base import Backend, Envelope, PreparedCall, SparseEnvelope, device_reason
+from .base import INVARIANT_WITHIN_TOLERANCE, Backend, Envelope, PreparedCall
+from .flashmla_api import INSTALL_ROUTE, FlashMLAApi, flashmla_unavailable, installed_api, installed_build
 
-FLASHMLA_SOURCE = "https://github.com/deepseek-ai/FlashMLA"
-
+NO_ROPE_DIMS = (512, 0)
 FLASHMLA_ENVELOPE = Envelope(
-    devices=("cuda",), archs=((9, 0),), page_sizes=(64,), dims=((512, 64),), heads=None, max_heads=128,
-    dtypes=("bf16",), q_len=(1, 16), cache_dims=(3,), page_strided=True, table_widths=("native", "pad128"),
-    pass_out=(False,), lse=True, lse_base=math.e,
-    notes="dense_decode.h: SM90a, bf16/fp16 (fp16 out is not Contract 1's bf16), page 64, head_dim_v 512; "
-          "splitkv_mla.cuh asserts head dim 576; one layout [blocks, 64, 1, 576] whatever cache_dims says; "
+    devices=("cuda",), archs=((9, 0),), page_sizes=(64,), dims=((512, 64), NO_ROPE_DIMS), heads=None,
+    max_heads=128, dtypes=("bf16",), q_len=(1, 16), cache_dims=(3,), page_strided=True,
+    table_widths=("native", "pad128"), pass_out=(False,), lse=True, lse_base=math.e,
+    notes="dense_decode: SM90a, bf16/fp16 (fp16 out is not Contract 1's bf16), page 64, head_size_k 576 or "
+          "512, head_dim_v 512, h_q % h_k == 0; one layout [blocks, 64, 1, D] whatever cache_dims says; "
           "FlashMLA allocates out; natural-log LSE [B, H, q_len]",
 )
-
-
-@dataclass(frozen=True)
-class FlashMLAApi:
-    """The two functions the backend calls, with ``flash_mla``'s signatures."""
-
-    get_mla_metadata: Callable[..., Any]
-    flash_mla_with_kvcache: Callable[..., Any]
+FLASHMLA_FP8_ENVELOPE = FLASHMLA_ENVELOPE.narrowed(
+    dims=((512, 64),), dtypes=("fp8",),
+    notes="sgl-flash-mla's dense fp8 (fwd_kvcache_mla_fp8): SM90, fp8 e4m3 query and cache [blocks, 64, 1, 576] "
+          "with per-tensor descale_q/descale_k (1,) fp32, head_size_k 576 only, bf16 out, natural-log LSE")
 
 
 @dataclass
@@ -71,69 +71,67 @@ def flashmla_args(problem: DecodeProblem, layout: LayoutSpec) -> FlashMLAArgs:
     return FlashMLAArgs(a.query, a.kv_cache.unsqueeze(2), a.block_tables, a.seq_lens, a.pool)
 
 
-def install_hint() -> str | None:
-    """None when the ``flash_mla`` package is installed; otherwise the one line saying how to get it."""
-    if importlib.util.find_spec("flash_mla") is None:
-        return ("install FlashMLA: no flash_mla package here "
-                f"(not on the package index: build it from {FLASHMLA_SOURCE})")
-    return None
-
-
-def flash_mla_import_error() -> str | None:
-    """None when ``import flash_mla`` works; else one line saying why (an extension built for another torch...)."""
-    return import_error("flash_mla")
-
-
-def flashmla_unavailable(api: FlashMLAApi | None, envelope: Envelope | SparseEnvelope,
-                         device: torch.device) -> str | None:
-    """Why a FlashMLA backend calling ``api`` (the installed ``flash_mla`` when None) cannot run on ``device``."""
-    if api is not None:
-        return device_reason(envelope, device)
-    reason = install_hint() or device_reason(envelope, device)
-    if reason is None and (error := flash_mla_import_error()):
-        reason = f"FlashMLA is installed but cannot be imported ({error})"
-    return reason
-
-
-def installed_api() -> FlashMLAApi:
-    import flash_mla
-
-    return FlashMLAApi(flash_mla.get_mla_metadata, flash_mla.flash_mla_with_kvcache)
+def fp8_scales(problem: DecodeProblem) -> tuple[float, float, float]:
+    """(softmax_scale, descale_q, descale_k) whose products are the problem's bmm1 and bmm2 (module docstring)."""
+    softmax = model_softmax_scale(problem.dims)
+    descale_k = float(problem.bmm2_scale)
+    return softmax, float(problem.bmm1_scale) / (softmax * descale_k), descale_k
 
 
 class FlashMLABackend(Backend):
-    """FlashMLA's dense decode through ``api`` (the installed ``flash_mla`` when None)."""
+    """FlashMLA's dense decode through ``api`` (the installed ``flash_mla`` when None); ``fp8``: its per-tensor
+    fp8 path, which only the sgl-flash-mla interface has."""
+
+    batch_invariance = INVARIANT_WITHIN_TOLERANCE  # the split-KV schedule depends on the whole batch
 
     def __init__(self, name: str = "flashmla", api: FlashMLAApi | None = None,
                  envelope: Envelope = FLASHMLA_ENVELOPE,
-                 description: str = "DeepSeek FlashMLA dense paged MLA decode (SM90)"):
+                 description: str = "DeepSeek FlashMLA dense paged MLA decode (SM90)", fp8: bool = False):
         self.name = name
         self.api = api
         self.envelope = envelope
         self.description = description
+        self.fp8 = fp8
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        return flashmla_unavailable(self.api, self.envelope, device)
+        reason = flashmla_unavailable(self.api, self.envelope, device)
+        if reason is None and self.fp8 and not (self.api or installed_api()).use_legacy:
+            found = "this interface" if self.api else installed_build().describe()
+            reason = f"dense fp8 decode is sgl-flash-mla's; {found} has none ({INSTALL_ROUTE})"
+        return reason
 
     def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
         p = problem
         api = self.api or installed_api()
         a = flashmla_args(p, layout)
         heads_k = a.k_cache.shape[2]
-        metadata, num_splits = api.get_mla_metadata(a.cache_seqlens, p.q_len * p.num_heads // heads_k, heads_k)
+        tokens_per_head_k = p.q_len * p.num_heads // heads_k
+        kwargs: dict[str, Any] = dict(causal=True, **api.call_kwargs())
+        inputs = {"q": a.q, "kv_pool": a.pool, "block_table": a.block_table, "cache_seqlens": a.cache_seqlens}
+        if self.fp8:
+            metadata, num_splits = api.fp8_schedule(a.cache_seqlens, tokens_per_head_k, heads_k), None
+            softmax, descale_q, descale_k = fp8_scales(p)
+            kwargs.update(softmax_scale=softmax, is_fp8_kvcache=True,
+                          descale_q=torch.tensor([descale_q], dtype=torch.float32, device=p.device),
+                          descale_k=torch.tensor([descale_k], dtype=torch.float32, device=p.device))
+            output_scale = 1.0  # descale_k carries bmm2 into the kernel
+        else:
+            metadata, num_splits = api.schedule(a.cache_seqlens, tokens_per_head_k, heads_k)
+            kwargs.update(softmax_scale=float(p.bmm1_scale))
+            output_scale = float(p.bmm2_scale)  # no output scale in FlashMLA: applied when judged
 
         def invoke() -> Any:
             return api.flash_mla_with_kvcache(a.q, a.k_cache, a.block_table, a.cache_seqlens, p.dims.kv_lora_rank,
-                                              metadata, num_splits, softmax_scale=float(p.bmm1_scale), causal=True)
+                                              metadata, num_splits, **kwargs)
 
         def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             out, lse = result  # lse [B, H, q_len] -> [B, q_len, H]
             return out, lse.transpose(1, 2) if layout.return_lse else None
 
-        inputs = {"q": a.q, "kv_pool": a.pool, "block_table": a.block_table, "cache_seqlens": a.cache_seqlens}
-        # no output scale in FlashMLA: bmm2 is applied to its output when it is judged
-        return PreparedCall(invoke, inputs, None, to_canonical, output_scale=float(p.bmm2_scale))
+        return PreparedCall(invoke, inputs, None, to_canonical, output_scale=output_scale)
 
 
-def flashmla_backend() -> FlashMLABackend:
-    return FlashMLABackend()
+def flashmla_backends() -> list[FlashMLABackend]:
+    return [FlashMLABackend(),
+            FlashMLABackend("flashmla-fp8", envelope=FLASHMLA_FP8_ENVELOPE, fp8=True,
+                            description="DeepSeek FlashMLA dense fp8 decode, per-tensor scales (sgl-flash-mla, SM90)")]

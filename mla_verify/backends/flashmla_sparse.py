@@ -5,8 +5,9 @@ Read from the wheel's ``flash_mla/flash_mla_interface.py`` (sgl-flash-mla 1.0.0)
 
 - Call: ``flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta, softmax_scale=..., is_fp8_kvcache=True,
   indices=..., attn_sink=..., topk_length=..., kv_format=<fmt>)`` plus ``use_legacy=True`` where the function
-  takes it (the wheel: its SM90 kernels are the legacy ones). ``block_table`` and ``cache_seqlens`` are ignored
-  by sparse decode; ``sched_meta`` is a fresh ``get_mla_metadata()[0]`` per call (it bakes in topk_length).
+  takes it (the wheel: its SM90 kernels are the legacy ones; ``flashmla_api`` tells the interfaces apart).
+  ``block_table`` and ``cache_seqlens`` are ignored by sparse decode; ``sched_meta`` is a fresh
+  ``get_mla_metadata()[0]`` per call (it bakes in topk_length).
 - ``q [B, q_len, h_q, 576|512]`` bf16 with h_q 64 or 128: a problem's heads are padded with zero queries up to
   the next of them (as vLLM and SGLang do) and the padding is cut from the result.
 - ``k_cache [pages, page, 1, bytes_per_token]`` uint8, the packed pool (problems/packed.py) with its page stride.
@@ -18,7 +19,6 @@ Read from the wheel's ``flash_mla/flash_mla_interface.py`` (sgl-flash-mla 1.0.0)
 """
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -28,7 +28,7 @@ from ..problems.envelope import SparseEnvelope
 from ..problems.packed import FORMATS, kernel_view
 from ..problems.sparse import SparseDecodeProblem
 from .base import PreparedCall, SparseBackend
-from .flashmla import FlashMLAApi, flashmla_unavailable, installed_api
+from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api
 
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
 # the format the wheel reads rows of this width as when kv_format is None; 528 is V4.1 unless told V32_NO_ROPE
@@ -45,14 +45,6 @@ FLASHMLA_SPARSE_ENVELOPE = SparseEnvelope(
 def padded_heads(h: int) -> int:
     """The h_q FlashMLA's sparse kernel runs a problem of ``h`` heads with."""
     return next(n for n in FLASHMLA_HEADS if n >= h)
-
-
-def takes_use_legacy(fn: Any) -> bool:
-    """Whether ``flash_mla_with_kvcache`` is the sgl wheel's (it has ``use_legacy``; SM90 needs it True)."""
-    try:
-        return "use_legacy" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class FlashMLASparseBackend(SparseBackend):
@@ -81,14 +73,13 @@ class FlashMLASparseBackend(SparseBackend):
             sink = torch.zeros((heads,), dtype=torch.float32, device=p.query.device)
             sink[:H] = p.attn_sink
         k_cache = kernel_view(p.packed, fmt, p.page_size)
-        legacy = {"use_legacy": True} if takes_use_legacy(api.flash_mla_with_kvcache) else {}
 
         def invoke() -> Any:
             meta, splits = api.get_mla_metadata()
             return api.flash_mla_with_kvcache(q, k_cache, None, None, p.d_v, meta, splits,
                                               softmax_scale=float(p.softmax_scale), is_fp8_kvcache=True,
                                               indices=p.indices, attn_sink=sink, topk_length=p.topk_length,
-                                              kv_format=p.fmt, **legacy)
+                                              kv_format=p.fmt, **api.call_kwargs())
 
         def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             out, lse = result  # out [B, Q, h_q, 512]; lse [B, h_q, Q]

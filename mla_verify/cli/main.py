@@ -146,6 +146,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
         build_report,
         check_report_path,
         distinct_cases,
+        invariance_counts,
+        invariance_line,
         resolution_line,
         resolutions,
         write_report,
@@ -198,6 +200,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
         print(_summary_line(result), flush=True)
         if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
             print(f"  {resolution_line(result.backend, resolved)}", flush=True)
+        if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result))):
+            print(f"  {claimed}", flush=True)
         print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
         results.append(result)
         if result.interrupted:
@@ -389,12 +393,14 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_doctor(ns: argparse.Namespace) -> int:
+    from ..backends.flashmla_api import installed_build
     from ..core.platform import platform_info
 
     info = platform_info()
     print(f"mla-verify {_version()}")
     print(f"python {info.python}; torch {info.torch}; CUDA (torch build) {info.torch_cuda or 'none'}")
     print(f"flashinfer {info.flashinfer_text()}")
+    print(f"flashmla {installed_build().describe()}")
     if not info.gpus:
         print("GPUs: none visible")
     for g in info.gpus:

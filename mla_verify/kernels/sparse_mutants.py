@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..backends.flashmla import FlashMLAApi
+from ..backends.flashmla_api import FlashMLAApi
 from ..backends.flashmla_sparse import (
     FLASHMLA_HEADS,
     FLASHMLA_SPARSE_ENVELOPE,

@@ -451,6 +451,21 @@ def resolution_line(backend: str, counts: dict[str, int]) -> str:
     return f"{backend} resolved to {first} on {n} case{'s' * (n != 1)}" + "".join(f", {k} on {m}" for k, m in rest)
 
 
+def invariance_counts(cases: Iterable[Any]) -> dict[str, int]:
+    """Cases per way the metamorphic check was judged ("bits", "tolerance"); cases without one left out."""
+    return dict(Counter(c.invariance for c in cases if c.invariance).most_common())
+
+
+def invariance_line(backend: str, counts: dict[str, int]) -> str | None:
+    """E.g. "flashmla: batch order judged within tolerance (its claim) on 12 cases, bits on 30"; None when every
+    metamorphic check compared bits."""
+    n = counts.get("tolerance", 0)
+    if not n:
+        return None
+    return (f"{backend}: batch order judged within tolerance (its claim) on {n} case{'s' * (n != 1)}, "
+            f"the other metamorphic checks bit for bit on {counts.get('bits', 0)}")
+
+
 def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dict[str, str],
                  platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
     """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
@@ -471,6 +486,7 @@ def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dic
         backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
                          "cases": len(distinct), "seconds": round(r.seconds, 3),
                          "timed_out": r.timed_out, "failure": failure,
-                         "resolved": resolutions(c.resolved_backend for c in distinct)})
+                         "resolved": resolutions(c.resolved_backend for c in distinct),
+                         "invariance": invariance_counts(distinct)})
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
             "selfcheck": selfcheck, "backends": backends, "cases": cases}

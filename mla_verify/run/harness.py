@@ -7,7 +7,9 @@
 3. Call the kernel -- before the reference is allocated, as FlashMLA does.
 4. Check: ``out`` filled in place and returned, inputs bit-identical, every element finite and within the
    tolerance model (compare.py), LSE in the backend's base; the same call again gives the same bits; one
-   metamorphic transformation (metamorphic.py) gives the same bits.
+   metamorphic transformation (metamorphic.py) gives the same bits -- or, for the batch order of a backend
+   that claims only invariance within tolerance (``Backend.batch_invariance``), passes the same tolerance model
+   against the same reference (``CaseResult.invariance`` records which was applied).
 5. On failure, ask diagnose.py which known misreading explains the output, or where it is wrong
    (localize.py, which may re-run the kernel to tell where a NaN comes from).
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..backends.base import ENVELOPE_PREFIX, Backend, PreparedCall
+from ..backends.base import ENVELOPE_PREFIX, INVARIANT_BITS, INVARIANT_WITHIN_TOLERANCE, Backend, PreparedCall
 from ..core.bits import changed_elements, changed_elements_each
 from ..core.memory import is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
@@ -72,6 +74,8 @@ class CaseResult:
     skip_kind: str = ""  # SKIP_ENVELOPE or SKIP_MEMORY when skipped
     hung: bool = False  # the kernel ran past its time limit
     resolved_backend: str | None = None  # the kernel a policy backend (fa-auto) ran: PreparedCall's
+    # how the metamorphic check judged (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE); "" when none ran
+    invariance: str = ""
 
     @property
     def id(self) -> str:
@@ -85,7 +89,7 @@ class CaseResult:
                 "failures": self.failures, "diagnosis": self.diagnosis, "seconds": round(self.seconds, 4),
                 "stages": {k: round(v, 5) for k, v in self.stages.items()}, "skip_kind": self.skip_kind,
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
-                "resolved_backend": self.resolved_backend,
+                "resolved_backend": self.resolved_backend, "invariance": self.invariance,
                 "stats": None if self.stats is None else self.stats.to_json()}
 
     def describe(self) -> str:
@@ -169,7 +173,13 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
                 moved_call = _prepare(backend, moved, layout, again)
                 if moved_call is None:
                     failures.append(f"with {metamorphic.DESCRIPTIONS[transform]}: {again[0]}")
+                elif transform == metamorphic.BATCH_ORDER and backend.batch_invariance == INVARIANT_WITHIN_TOLERANCE:
+                    result.invariance = INVARIANT_WITHIN_TOLERANCE
+                    assert ref is not None  # judged above
+                    _check_within_tolerance(moved_call, moved, unmap, ref, baseline, spec.dtype, lse_base, failures,
+                                            limit)
                 else:
+                    result.invariance = INVARIANT_BITS
                     _check_repeatable(moved_call, moved, out, lse, failures, limit, transform, unmap)
         differed = bool(failures) and NOT_BIT_IDENTICAL in failures[-1] and not result.hung
         if (not failures and transform == "none") or differed:
@@ -284,6 +294,23 @@ def _check_repeatable(prepared: PreparedCall, problem: DecodeProblem, out: torch
         failures.append(f"{NOT_BIT_IDENTICAL} with {what}: {diff} of {out.numel()} output elements differ")
     elif lse is not None and lse2 is not None and changed_elements(lse2, lse):
         failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
+
+
+def _check_within_tolerance(prepared: PreparedCall, problem: DecodeProblem, unmap: metamorphic.Unmap,
+                            ref: ReferenceResult, baseline: ReferenceResult, dtype: str, lse_base: float | None,
+                            failures: list[str], limit: _Limit) -> None:
+    """Call the batch-reordered ``prepared`` and judge its output, mapped back, by the tolerance model against
+    the original problem's reference: the claim of a backend whose bits depend on the whole batch."""
+    what = f"{metamorphic.DESCRIPTIONS[metamorphic.BATCH_ORDER]} (judged within tolerance, the backend's claim)"
+    again: list[str] = []
+    run = _call(prepared, problem, again, limit)
+    if run is None or again:
+        failures.append(f"with {what}: " + (again[0] if again else "no output"))
+        return
+    out2, lse2 = unmap(*run)
+    numeric = compare(out2, lse2, ref, baseline, dtype, lse_base)[1]
+    if numeric:
+        failures.append(f"with {what}: {numeric[0]}")
 
 
 def judge_reference(problem: DecodeProblem) -> ReferenceResult:

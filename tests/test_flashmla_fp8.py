@@ -1,0 +1,128 @@
+"""The flashmla-fp8 adapter on CPU: sgl-flash-mla's dense fp8 decode through its stand-in (flashmla_cpu.WheelStandIn).
+
+1. The exact arguments: fp8 query and ``[blocks, 64, 1, 576]`` fp8 cache views, ``is_fp8_kvcache=True``,
+   ``use_legacy=True``, ``descale_q``/``descale_k`` as ``(1,)`` fp32 tensors whose product with ``softmax_scale``
+   is the problem's bmm1 and ``descale_k`` its bmm2, and the schedule from ``get_mla_decoding_metadata(...,
+   is_fp8_kvcache=True, use_legacy=True)`` on the sched meta before the call.
+2. The correct stand-in passes the harness, judged by the suite's fp8 tolerance model (compare.py); a backend
+   that drops either descale, and a kernel that ignores descale_k in its output, fail.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from mla_verify.backends import get_backend
+from mla_verify.backends.flashmla import FlashMLABackend
+from mla_verify.backends.flashmla_api import FlashMLAApi
+from mla_verify.kernels.flashmla_cpu import CPU_FP8_ENVELOPE, WheelStandIn, stand_in_backend
+from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.problem import FP8
+from mla_verify.run.harness import run_case
+
+# per-tensor scales away from 1 (q_scale, k_scale, bmm2_extra, softmax all distinct), so a dropped or
+# misplaced descale changes the result by far more than fp8's tolerance
+SPEC = ProblemSpec(seq_lens=(5, 130, 64), q_len=1, num_heads=16, page_size=64, dtype="fp8", q_scale=2.0,
+                   k_scale=0.5, bmm2_extra=1.5, softmax_scale=0.1, extra_pages=2, table_pad=1, seed=3)
+LAYOUT = LayoutSpec(pass_out=False)
+
+
+class Fp8Recorder(WheelStandIn):
+    """The wheel stand-in, recording the schedule call and what the decode call found on its sched meta."""
+
+    def get_mla_decoding_metadata(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.schedule_call = (args, kwargs)
+        return super().get_mla_decoding_metadata(*args, **kwargs)
+
+    def flash_mla_with_kvcache(self, *args: Any, use_legacy: bool = False,  # type: ignore[override]
+                               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.call = (args, {**kwargs, "use_legacy": use_legacy})
+        self.schedule_at_call = args[5].tile_scheduler_metadata
+        return super().flash_mla_with_kvcache(*args, use_legacy=use_legacy, **kwargs)
+
+
+def _backend(stand_in: WheelStandIn) -> FlashMLABackend:
+    api = FlashMLAApi(stand_in.get_mla_metadata, stand_in.flash_mla_with_kvcache, stand_in.get_mla_decoding_metadata)
+    return FlashMLABackend("flashmla-fp8-under-test", api, CPU_FP8_ENVELOPE, fp8=True)
+
+
+@pytest.mark.parametrize("spec", [SPEC, replace(SPEC, q_len=4, num_heads=128)], ids=["q1", "q4"])
+def test_adapter_passes_exactly_the_wheels_fp8_arguments(spec: ProblemSpec) -> None:
+    rec = Fp8Recorder()
+    problem = build_problem(spec)
+    prepared = _backend(rec).prepare(problem, LAYOUT)
+    prepared.invoke()
+    (lens, tokens_per_head_k, heads_k), kwargs = rec.schedule_call
+    assert lens is problem.seq_lens and (tokens_per_head_k, heads_k) == (spec.q_len * spec.num_heads, 1)
+    assert kwargs == {"is_fp8_kvcache": True, "use_legacy": True}
+    assert rec.schedule_at_call is not None  # assigned before the first call, which requires it
+    (q, k_cache, *_), kw = rec.call
+    assert q.dtype == k_cache.dtype == FP8 and k_cache.shape[1:] == (64, 1, 576)
+    assert kw["is_fp8_kvcache"] is True and kw["use_legacy"] is True and kw["causal"] is True
+    dq, dk = kw["descale_q"], kw["descale_k"]
+    assert dq.dtype == dk.dtype == torch.float32 and dq.shape == dk.shape == (1,)
+    # scores = softmax_scale * descale_q * descale_k * q.k and O = P.V * descale_k (the wheel's fp8 kernel)
+    assert math.isclose(kw["softmax_scale"] * float(dq) * float(dk), problem.bmm1_scale, rel_tol=1e-6)
+    assert math.isclose(float(dk), problem.bmm2_scale, rel_tol=1e-6) and prepared.output_scale == 1.0
+
+
+@pytest.mark.parametrize("spec,transform", [
+    (SPEC, "batch"),
+    (replace(SPEC, q_len=4, num_heads=128, seq_lens=(4, 67, 200)), "pages"),
+    (replace(SPEC, num_heads=3, seq_lens=(1, 1000), values="outliers", q_scale=0.05, k_scale=4.0), "table"),
+])
+def test_the_correct_fp8_stand_in_passes(spec: ProblemSpec, transform: str) -> None:
+    result = run_case(stand_in_backend(envelope=CPU_FP8_ENVELOPE), spec, LAYOUT, "cpu", transform=transform)
+    assert result.verdict == "pass", result.failures
+
+
+@pytest.mark.parametrize("dropped", ["descale_q", "descale_k"])
+def test_a_dropped_descale_fails(dropped: str) -> None:
+    stand_in = WheelStandIn()
+
+    def drops(*args: Any, use_legacy: bool = False, **kwargs: Any) -> Any:  # the wheel's signature
+        return stand_in.flash_mla_with_kvcache(*args, use_legacy=use_legacy, **{**kwargs, dropped: torch.ones(1)})
+    backend = _backend(stand_in)
+    backend.api = FlashMLAApi(stand_in.get_mla_metadata, drops, stand_in.get_mla_decoding_metadata)
+    result = run_case(backend, SPEC, LAYOUT, "cpu", diagnose=False)
+    assert result.verdict == "fail" and "> allowed" in result.reason, result.failures
+
+
+@pytest.mark.parametrize("name", ["bmm2_ignored", "scale_fixed_192", "halves_swapped"])
+def test_fp8_scale_and_layout_mutants_fail(name: str) -> None:
+    result = run_case(stand_in_backend(MUTANTS[name].fn, CPU_FP8_ENVELOPE), SPEC, LAYOUT, "cpu", diagnose=False)
+    assert result.verdict == "fail", name
+
+
+def test_the_fp8_stand_in_refuses_what_the_wheel_refuses() -> None:
+    problem = build_problem(SPEC)
+    stand_in = WheelStandIn()
+    meta, _ = stand_in.get_mla_metadata()
+    args = dict(q=problem.query, k_cache=problem.kv_cache.unsqueeze(2), block_table=problem.block_table,
+                cache_seqlens=problem.seq_lens, head_dim_v=512, tile_scheduler_metadata=meta, is_fp8_kvcache=True,
+                use_legacy=True, descale_q=torch.ones(1), descale_k=torch.ones(1))
+    with pytest.raises(AssertionError, match="get_mla_decoding_metadata"):
+        stand_in.flash_mla_with_kvcache(**args)
+    meta.tile_scheduler_metadata, meta.num_splits = stand_in.get_mla_decoding_metadata(
+        problem.seq_lens, 16, 1, is_fp8_kvcache=True, use_legacy=True)
+    stand_in.flash_mla_with_kvcache(**args)  # the valid call runs
+    for change, words in [(dict(descale_q=torch.ones(2)), "must have shape"),
+                          (dict(descale_k=None), "descale is required"),
+                          (dict(q=problem.query.to(torch.bfloat16)), "float8_e4m3fn")]:
+        with pytest.raises(RuntimeError, match=words):
+            stand_in.flash_mla_with_kvcache(**{**args, **change})
+    with pytest.raises(AssertionError, match="legacy side"):
+        stand_in.get_mla_decoding_metadata(problem.seq_lens, 16, 1, is_fp8_kvcache=True)
+
+
+def test_the_fp8_envelope_is_the_wheels() -> None:
+    env = get_backend("flashmla-fp8").envelope
+    # fwd_kvcache_mla_fp8: "Only head_size_k == 576 is supported", "page_block_size must be 64", fp8 e4m3 q
+    assert env.dims == ((512, 64),) and env.dtypes == ("fp8",) and env.page_sizes == (64,)
+    assert env.archs == ((9, 0),) and env.pass_out == (False,) and env.lse_base == math.e
