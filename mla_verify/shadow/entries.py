@@ -5,7 +5,9 @@
   ``return_lse_base=`` and the forms the reference does not compute (sparse, compact variable-q, sinks, ...),
   which are counted as seen but not checked;
 - DeepSeek's ``flash_mla.flash_mla_with_kvcache``: [blocks, page, 1, D] cache, softmax_scale defaulting to
-  1/sqrt(head_dim of q), LSE [B, H, s_q] in natural log.
+  1/sqrt(head_dim of q), LSE [B, H, s_q] in natural log; dense bf16, and the sgl-flash-mla wheel's dense fp8
+  with descale_q/descale_k; a ``FlashMLASchedMeta`` reused for other shapes or lengths (a stale schedule), and
+  sparse-only arguments the dense path ignores, are reported.
 The wrapper's plan/run pair is read in wrapper.py, FlashMLA's sparse calls in sparse.py. Nothing here calls a
 kernel or changes a tensor.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,7 @@ import torch
 from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
 from ..backends.trtllm_style import split_lse
 from ..core.bits import same_bits
+from ..problems.problem import FP8
 from ..problems.sparse import SparseDecodeProblem
 from .contract import ERROR, WARNING, Finding, KernelContract, PagedArgs, sparse_index_findings
 
@@ -207,32 +211,80 @@ def _workspace_findings(workspace: torch.Tensor, query: torch.Tensor, seen: set[
 
 # --- FlashMLA
 
-FLASHMLA_UNREAD = (("attn_sink", "attention sinks"), ("extra_k_cache", "extra KV scopes"))
+# what only FlashMLA's sparse path reads: the wheel's dense branch (sgl-flash-mla 1.0.0 flash_mla_interface.py
+# :172-204) ignores them without a word; upstream (9241ae3 :163-164) asserts they are None
+FLASHMLA_SPARSE_ONLY = ("attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length")
 
 
-def read_flashmla(values: Mapping[str, Any]) -> LiveCall:
+class FlashMLASchedules:
+    """What each ``FlashMLASchedMeta`` seen in a dense call was filled for: FlashMLA builds the split-KV schedule
+    from the first call's shapes and ``cache_seqlens`` and reuses it, unchecked, on every later call with the same
+    object (a fresh one comes only from ``get_mla_metadata()``, or with ``tile_scheduler_metadata`` None)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, tuple, str]] = {}
+
+    def check(self, meta: Any, used_for: tuple, described: str) -> list[Finding]:
+        try:
+            ref = weakref.ref(meta)
+        except TypeError:  # not an object a schedule lives in (upstream-2025 tensors): nothing to track
+            return []
+        known = self._seen.get(id(meta))
+        fresh = getattr(meta, "tile_scheduler_metadata", None) is None  # this call makes the schedule anew
+        if known is None or known[0]() is not meta or fresh:
+            self._seen[id(meta)] = (ref, used_for, described)
+            return []
+        if known[1] == used_for:
+            return []
+        return [Finding(ERROR, "tile_scheduler_metadata", f"a FlashMLASchedMeta filled for {known[2]} is reused for "
+                        f"{described}: FlashMLA reuses its split-KV schedule unchecked (a stale schedule); take a "
+                        "new one from get_mla_metadata() whenever the batch's shapes or cache_seqlens change")]
+
+
+def _schedule_key(q: torch.Tensor, cache: torch.Tensor, lens: Any, causal: bool, fp8: bool) -> tuple[tuple, str]:
+    """(what a dense schedule depends on, how a report names it)."""
+    seqlens = lens.tolist() if isinstance(lens, torch.Tensor) else lens
+    shown = seqlens if not isinstance(seqlens, list) or len(seqlens) <= 8 else [*seqlens[:6], "...", seqlens[-1]]
+    return ((tuple(q.shape), tuple(cache.shape[1:]), causal, fp8, str(seqlens)),
+            f"B={q.shape[0]} q_len={q.shape[1]} H={q.shape[2]} cache_seqlens={shown}")
+
+
+def read_flashmla(values: Mapping[str, Any], schedules: FlashMLASchedules | None = None) -> LiveCall:
     """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse).
-    A sparse call (``indices=``) is shadow/sparse.py's."""
+    Dense bf16 and, in the sgl-flash-mla wheel, dense per-tensor fp8 (``descale_q``/``descale_k``); a sparse
+    call (``indices=``) is shadow/sparse.py's."""
     contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
-    for name, form in FLASHMLA_UNREAD:
-        if values.get(name) is not None:
-            return LiveCall(None, contract, unchecked=f"{form} ({name}) is not computed by the reference")
-    if values.get("is_fp8_kvcache"):
-        return LiveCall(None, contract, unchecked="FlashMLA's packed fp8 cache (values with inline scales) is not read")
     q, cache, dv = values.get("q"), values.get("k_cache"), values.get("head_dim_v", values.get("dv"))
     if not isinstance(q, torch.Tensor) or not isinstance(cache, torch.Tensor) or dv is None:
         return LiveCall(None, contract, unchecked="no q, k_cache or head_dim_v in the call")
+    ignored = [name for name in FLASHMLA_SPARSE_ONLY if values.get(name) is not None]
+    ignored += ["enable_batch_invariant"] * bool(values.get("enable_batch_invariant"))
+    found = [Finding(WARNING, name, "given to the dense decode path, which does not read it (the sgl-flash-mla "
+                     "wheel ignores it silently; it applies to sparse decode only)") for name in ignored]
     if cache.dim() != 4 or cache.shape[2] != 1:
         hint = " -- Contract 1's [pages, 1, page, D] order" if cache.dim() == 4 and cache.shape[1] == 1 else ""
-        return LiveCall(None, contract, findings=[Finding(
+        return LiveCall(None, contract, findings=[*found, Finding(
             ERROR, "k_cache", f"shape {tuple(cache.shape)}; FlashMLA takes [blocks, page_size, 1, D]{hint}",
             blocking=True)], unchecked="the cache cannot be read")
     causal = bool(values.get("causal", False))
+    fp8 = bool(values.get("is_fp8_kvcache")) or cache.dtype == FP8
+    if schedules is not None:
+        found += schedules.check(values.get("tile_scheduler_metadata"),
+                                 *_schedule_key(q, cache, values.get("cache_seqlens"), causal, fp8))
     scale = values.get("softmax_scale")
+    bmm1 = q.shape[-1] ** -0.5 if scale is None else scalar(scale)
+    bmm2 = 1.0
+    if fp8 and cache.dtype == torch.uint8:
+        return LiveCall(None, contract, findings=found,
+                        unchecked="FlashMLA's packed fp8 cache (values with inline scales) is not read")
+    if fp8:  # scores = softmax_scale * descale_q * descale_k * q.k; O = P.V * descale_k
+        dq, dk = values.get("descale_q"), values.get("descale_k")
+        if dq is None or dk is None:
+            return LiveCall(None, contract, findings=found, unchecked="an fp8 cache without descale_q/descale_k")
+        bmm1, bmm2 = bmm1 * scalar(dq) * scalar(dk), scalar(dk)
     args = PagedArgs(query=q, kv_cache=cache[:, :, 0], block_table=values["block_table"],
                      seq_lens=values["cache_seqlens"], kv_lora_rank=int(dv), qk_rope_head_dim=q.shape[-1] - int(dv),
-                     bmm1_scale=q.shape[-1] ** -0.5 if scale is None else scalar(scale))
-    found = []
+                     bmm1_scale=bmm1, bmm2_scale=bmm2)
     unchecked = None
     if not causal and q.dim() == 4 and q.shape[1] > 1:
         found.append(Finding(WARNING, "causal", f"False with {q.shape[1]} query tokens per request: each new "
@@ -243,5 +295,5 @@ def read_flashmla(values: Mapping[str, Any]) -> LiveCall:
         o, lse, parts = result_parts(result, None, True, "(out, softmax_lse)")
         return o, None if lse is None else lse.transpose(1, 2), parts
 
-    return LiveCall(args, contract, pass_out=False, return_lse=True, to_canonical=to_canonical, replay="flashmla",
-                    unchecked=unchecked, findings=found)
+    return LiveCall(args, contract, pass_out=False, return_lse=True, to_canonical=to_canonical,
+                    replay="flashmla-fp8" if fp8 else "flashmla", unchecked=unchecked, findings=found)

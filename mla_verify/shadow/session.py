@@ -33,6 +33,7 @@ from ..core.errors import MLAVerifyError, UsageError
 from ..problems.problem import DecodeProblem
 from .contract import ERROR, WARNING, Finding, KernelContract, ModelFacts
 from .entries import (
+    FlashMLASchedules,
     LiveCall,
     bind_arguments,
     read_contract1,
@@ -140,6 +141,7 @@ class ShadowSession:
         self.tally = Tally()
         self.plans = WrapperPlans()
         self.workspaces: set[int] = set()
+        self.flashmla_schedules = FlashMLASchedules()
         self.reported: set[tuple[str, str]] = set()
         self.installed: list[Installed] = []
 
@@ -399,7 +401,7 @@ def _library_entries(notes: list[str]) -> list[_Entry]:
         notes.append(f"FlashMLA is not wrapped: import failed ({type(exc).__name__}: {exc})")
     else:
         entries.append(_Entry("flash_mla.flash_mla_with_kvcache", flash_mla.flash_mla_with_kvcache,
-                              lambda s, v: read_flashmla_sparse(v, s.facts) or read_flashmla(v)))
+                              lambda s, v: read_flashmla_sparse(v, s.facts) or read_flashmla(v, s.flashmla_schedules)))
     return entries
 
 
