@@ -1,8 +1,9 @@
-"""The kill matrix through the flashmla backend: each of the 23 mutants, behind FlashMLA's calling convention
-(mla_verify.kernels.flashmla_cpu), must fail ``verify(..., "premerge")`` on CPU -- so the backend's layout code (the
-cache view, table, scale, causal flag, LSE transposition and base, bmm2 bridge) carries every fault to the
-harness instead of hiding it. The correct kernel behind the same convention must pass the same premerge run,
-or the kills would mean nothing.
+"""The kill matrix through the flashmla backend: each of the 23 mutants, behind the sgl-flash-mla wheel's
+calling convention (mla_verify.kernels.flashmla_cpu; the one the H200 runs), must fail ``verify(...,
+"premerge")`` on CPU -- so the backend's layout code (the cache view, table, scale, causal flag, LSE
+transposition and base, bmm2 bridge) carries every fault to the harness instead of hiding it. The correct
+kernel behind the same convention -- and behind upstream's -- must pass the same premerge run, or the kills
+would mean nothing.
 
 Three changes to the envelope, all on CPU only, none touching the layout code under test:
 - pages of 16, 32 and 64 tokens (FlashMLA itself takes 64 only): with 64 alone a kernel that assumes 64-token
@@ -23,8 +24,9 @@ from mla_verify.run.engine import verify
 ENVELOPE = CPU_ENVELOPE.narrowed(page_sizes=(16, 32, 64), max_seq_len=4096, max_batch=16)
 
 
-def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend():
-    result = verify(stand_in_backend(correct_kernel, ENVELOPE), "cpu", "premerge")
+@pytest.mark.parametrize("interface", ["wheel", "upstream"])
+def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend(interface: str):
+    result = verify(stand_in_backend(correct_kernel, ENVELOPE, interface), "cpu", "premerge")
     assert result.verdict == "pass", result.failure and result.failure.failures
     # premerge judges ~65 cases in this envelope (60 drawn and the corner cases); 40 still shows that the backend
     # ran most of them rather than skipping them as outside its envelope
@@ -33,6 +35,6 @@ def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend():
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_premerge_through_the_flashmla_backend_kills_mutant(name):
-    result = verify(stand_in_backend(MUTANTS[name].fn, ENVELOPE), "cpu", "premerge")
+    result = verify(stand_in_backend(MUTANTS[name].fn, ENVELOPE, "wheel"), "cpu", "premerge")
     assert result.verdict == "fail", f"mutant {name} survived {len(result.cases)} premerge cases"
     assert result.failure.failures

@@ -26,7 +26,8 @@ SPEC = ProblemSpec(seq_lens=(200, 7, 65), q_len=2, num_heads=8, page_size=32, se
 
 
 def _order_dependent(nudge: Any) -> Any:
-    """The correct kernel, whose output is then changed by ``nudge`` when the batch starts with its shorter end (SPEC reversed)."""
+    """The correct kernel, its output then changed by ``nudge`` when the batch starts with its shorter end (SPEC
+    reversed)."""
     def kernel(query: torch.Tensor, kv_cache: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = correct_kernel(query, kv_cache, *args, **kwargs)
         seq_lens = args[5]

@@ -1,4 +1,4 @@
-"""Shadow mode on FlashMLA's dense calls, through the sgl-flash-mla wheel's interface on CPU (flashmla_cpu.WheelStandIn).
+"""Shadow mode on FlashMLA's dense calls, through the sgl-flash-mla wheel's interface on CPU (WheelStandIn).
 
 - A ``FlashMLASchedMeta`` reused for a batch of other lengths or shapes is a stale schedule: reported at the call,
   naming the call site; reused within one step (every layer, same lengths), or made fresh, it is not.
