@@ -113,6 +113,9 @@ def test_adapter_passes_exactly_flashmlas_arguments(spec: ProblemSpec, layout: L
 def test_the_harness_passes_the_correct_stand_in_through_the_backend(spec: ProblemSpec, layout: LayoutSpec,
                                                                     interface: str) -> None:
     result = run_case(stand_in_backend(interface=interface), spec, layout, "cpu", transform="pages")
+    if interface == "upstream" and spec.qk_rope_head_dim == 0:  # its SM90 kernel asserts 576 (exiting)
+        assert result.verdict == "skip" and "head dim 576 only" in result.reason
+        return
     assert result.verdict == "pass", result.failures
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..core.dims import softmax_scale as model_softmax_scale
+from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, trtllm_args
 from ..problems.problem import DecodeProblem
 from .base import INVARIANT_WITHIN_TOLERANCE, Backend, Envelope, PreparedCall
@@ -98,6 +99,14 @@ class FlashMLABackend(Backend):
         if reason is None and self.fp8 and not (self.api or installed_api()).use_legacy:
             found = "this interface" if self.api else installed_build().describe()
             reason = f"dense fp8 decode is sgl-flash-mla's; {found} has none ({INSTALL_ROUTE})"
+        return reason
+
+    def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
+        reason = super().why_not(spec, layout, device)
+        if reason is None and spec.qk_rope_head_dim == 0 and not (self.api or installed_api()).use_legacy:
+            # upstream's SM90 kernel FLASH_ASSERTs head dim 576 (splitkv_mla.cuh:1277), which exits the process;
+            # the wheel's legacy kernel is built for 512 and 576 (its Traits<bf16, 512> and <bf16, 576>)
+            reason = "upstream FlashMLA's SM90 dense kernel takes head dim 576 only (dims (512, 64))"
         return reason
 
     def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:

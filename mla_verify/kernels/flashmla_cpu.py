@@ -92,6 +92,7 @@ class FlashMLAStandIn:
         if tile_scheduler_metadata.config is None:
             tile_scheduler_metadata.config = config
         assert tile_scheduler_metadata.config == config, "Your input arguments are inconsistent with sched_meta."
+        _check(q.shape[-1] != 512, "params.d == Config::HEAD_DIM_K (9241ae3's SM90 kernel is built for 576 only)")
         return self._dense(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 
     def _dense(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
