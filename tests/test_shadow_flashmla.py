@@ -41,6 +41,11 @@ def flash_mla(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return module
 
 
+@pytest.fixture(autouse=True)
+def _reproducers_in(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a mismatch keeps its reproducer under fixtures/shadow of the working directory
+
+
 def session(mode: str = "strict"):
     return shadow(mode, stream=io.StringIO(), summary=False)
 
