@@ -22,7 +22,7 @@ SPEC = ProblemSpec(seq_lens=(9, 40), num_heads=8, page_size=32, seed=1)
 
 def test_builtins_are_every_flashinfer_path_and_the_cpu_peer() -> None:
     names = [b.name for b in builtin_backends()]
-    assert sorted(names) == sorted(GPU_BACKENDS + ("flashmla", "cpu-peer"))  # flashmla: tests/test_flashmla.py
+    assert sorted(names) == sorted(GPU_BACKENDS + ("flashmla", "flashmla-fp8", "cpu-peer"))  # tests/test_flashmla*.py
     assert list(all_backends()) == names  # no plugins installed here; order is stable
     for backend in builtin_backends():
         assert backend.description and backend.envelope.devices
