@@ -179,7 +179,8 @@ def test_the_stand_in_keeps_flashmlas_python_rules() -> None:
 
 def test_the_wheel_stand_in_keeps_the_wheels_python_rules() -> None:
     """The wheel's dense branch: use_legacy required, its schedule filled by the first call and then reused
-    without any check (a call of another batch size goes through), the sparse-only arguments ignored."""
+    without any Python check (a call with other lengths goes through; one of another batch size is refused by the
+    kernel's num_splits check, as on the H200), the sparse-only arguments ignored."""
     stand_in = WheelStandIn()
     with pytest.raises(AssertionError, match="pass use_legacy=True"):
         stand_in.flash_mla_with_kvcache(**_valid_call())
@@ -188,12 +189,26 @@ def test_the_wheel_stand_in_keeps_the_wheels_python_rules() -> None:
     stand_in.flash_mla_with_kvcache(**args)
     made = meta.tile_scheduler_metadata
     assert made is not None and meta.config is None
-    other = build_problem(replace(SPEC, seq_lens=(5, 9)))
-    stand_in.flash_mla_with_kvcache(**{**args, "q": other.query, "block_table": other.block_table,
-                                       "cache_seqlens": other.seq_lens}, attn_sink=torch.zeros(16))
+    for lens in ((5, 9, 70), (5, 9)):
+        other = build_problem(replace(SPEC, seq_lens=lens))
+        call = {**args, "q": other.query, "block_table": other.block_table, "cache_seqlens": other.seq_lens}
+        if len(lens) == SPEC.batch:
+            stand_in.flash_mla_with_kvcache(**call, attn_sink=torch.zeros(16))
+        else:
+            with pytest.raises(RuntimeError, match=r"num_splits must have shape \(batch_size\+1\)"):
+                stand_in.flash_mla_with_kvcache(**call)
     assert meta.tile_scheduler_metadata is made  # the stale schedule, kept
     with pytest.raises(AssertionError, match="dense fp8 path only"):
         stand_in.flash_mla_with_kvcache(**args, descale_q=torch.ones(1))
+
+
+def test_the_wheel_stand_ins_lse_is_a_non_contiguous_view_as_the_wheels() -> None:
+    """The wheel's LSE [B, H, q_len] came back non-contiguous on the H200 (docs/backends.md): the stand-in's does
+    too, so the backend and shadow mode are proven on that form."""
+    p = build_problem(replace(SPEC, q_len=2))
+    _, lse = WheelStandIn().flash_mla_with_kvcache(p.query, p.kv_cache.unsqueeze(2), p.block_table, p.seq_lens, 512,
+                                                   SchedMeta(), softmax_scale=0.1, causal=True, use_legacy=True)
+    assert tuple(lse.shape) == (SPEC.batch, SPEC.num_heads, 2) and not lse.is_contiguous()
 
 
 def test_the_stand_ins_defaults_are_flashmlas() -> None:

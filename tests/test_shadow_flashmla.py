@@ -79,12 +79,35 @@ def test_a_schedule_reused_for_the_next_step_is_reported_at_its_call_site(flash_
     assert "reused for B=2 q_len=1 H=4 cache_seqlens=[38, 101]" in report
 
 
-def test_a_schedule_reused_for_another_batch_shape_is_reported(flash_mla) -> None:
+def test_without_the_report_a_stale_schedule_is_silently_wrong(flash_mla) -> None:
+    """What the report saves an engine from: the stale call raises nothing, and its output is off (as the wheel's
+    was on the H200, docs/backends.md). Record mode lets it run, so the reference shows it."""
     meta, _ = flash_mla.get_mla_metadata()
     with session("record") as s:
         decode(flash_mla, meta)
+        decode(flash_mla, meta, NEXT_STEP)
+    site = only_site(s)
+    assert (site.compared, site.errors, site.mismatched) == (2, 1, 1)
+
+
+def test_a_schedule_reused_for_another_head_count_is_reported(flash_mla) -> None:
+    """Silently wrong on the H200 (docs/backends.md); the stand-in does not model that, the report does not need to."""
+    meta, _ = flash_mla.get_mla_metadata()
+    with session("record") as s:
+        decode(flash_mla, meta)
+        decode(flash_mla, meta, replace(SPEC, num_heads=8))
+    assert only_site(s).errors == 1
+    assert "reused for B=2 q_len=1 H=8" in s.tally.reports[0]
+
+
+def test_a_schedule_reused_for_another_batch_size_is_reported_before_the_wheel_raises(flash_mla) -> None:
+    meta, _ = flash_mla.get_mla_metadata()
+    with pytest.raises(RuntimeError, match=r"num_splits must have shape \(batch_size\+1\)") as raised, \
+            session("record") as s:
+        decode(flash_mla, meta)
         decode(flash_mla, meta, replace(SPEC, seq_lens=(37, 100, 5)))
     assert only_site(s).errors == 1
+    assert f"test_shadow_flashmla.py:{SITE_LINE} in flash_mla_with_kvcache" in "\n".join(raised.value.__notes__)
 
 
 def test_reuse_within_a_step_and_fresh_schedules_are_not_reported(flash_mla) -> None:

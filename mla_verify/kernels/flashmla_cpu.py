@@ -19,7 +19,11 @@ How FlashMLA's convention meets the faulty kernel's (Contract 1's):
 - FlashMLA takes 64-token pages only; ``page_sizes`` can widen that, so that a kernel assuming 64-token pages
   can be told from a correct one.
 The wheel's schedule is a stand-in too: the ``cache_seqlens`` it was made for, kept in the sched meta as the
-wheel keeps its tile scheduler metadata (filled by the first dense call, reused unchecked afterwards).
+wheel keeps its tile scheduler metadata (filled by the first dense call, reused unchecked afterwards). Reused
+stale, it behaves as the wheel did on the H200 (docs/backends.md): for another batch size it raises "num_splits
+must have shape (batch_size+1)"; for other lengths it is silently wrong -- the stand-in covers each sequence only
+up to the length it was scheduled for. (A stale head count, also silently wrong on the GPU, is not modelled.)
+The LSE comes back as the wheel's does: ``[B, H, q_len]``, a non-contiguous view.
 """
 from __future__ import annotations
 
@@ -104,7 +108,8 @@ class FlashMLAStandIn:
     def _compute(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                  cache_seqlens: torch.Tensor, head_dim_v: int, scale: float, out_scale: float,
                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kernel`` with bmm1 ``scale``; the output scaled by ``out_scale`` (1 for bf16, descale_k for fp8)."""
+        """``kernel`` with bmm1 ``scale`` over ``cache_seqlens`` keys; the output scaled by ``out_scale`` (1 for
+        bf16, descale_k for fp8)."""
         f = self.kernel.faults
         kernel = FaultyKernel(replace(f, bmm2_power=1, causal=f.causal and causal), self.kernel.__name__)
         B, Q, H, D = q.shape
@@ -113,7 +118,7 @@ class FlashMLAStandIn:
         _, lse = kernel(q, k_cache.transpose(1, 2), None, 0, head_dim_v, D - head_dim_v, block_table,
                         cache_seqlens, int(cache_seqlens.max()), out=out, bmm1_scale=scale,
                         bmm2_scale=out_scale * wrong ** (f.bmm2_power - 1), return_lse=True)
-        return out, (lse * math.log(2.0)).view(B, Q, H).transpose(1, 2).contiguous()
+        return out, (lse * math.log(2.0)).view(B, Q, H).transpose(1, 2)
 
 
 class WheelStandIn(FlashMLAStandIn):
@@ -151,12 +156,13 @@ class WheelStandIn(FlashMLAStandIn):
             assert meta.tile_scheduler_metadata is not None, (
                 "dense fp8 decoding needs metadata from get_mla_decoding_metadata(..., is_fp8_kvcache=True, "
                 "use_legacy=True) before the first call")
-            return self._dense_fp8(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                                   descale_q, descale_k)
+            return self._dense_fp8(q, k_cache, block_table, _scheduled(meta, cache_seqlens), head_dim_v,
+                                   softmax_scale, causal, descale_q, descale_k)
         assert descale_q is None and descale_k is None, "descale_q/descale_k apply to the dense fp8 path only"
         if meta.tile_scheduler_metadata is None:  # the first call makes the schedule; later ones reuse it
             meta.tile_scheduler_metadata, meta.num_splits = _schedule(cache_seqlens)
-        return self._dense(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+        return self._dense(q, k_cache, block_table, _scheduled(meta, cache_seqlens), head_dim_v, softmax_scale,
+                           causal)
 
     def _dense_fp8(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                    cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: float | None, causal: bool,
@@ -176,6 +182,14 @@ class WheelStandIn(FlashMLAStandIn):
         dq, dk = float(descale_q), float(descale_k)
         return self._compute(q, k_cache, block_table, cache_seqlens, head_dim_v, scale * dq * dk, dk,
                              causal and q.shape[1] > 1)
+
+
+def _scheduled(meta: SchedMeta, cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """The lengths the wheel's kernel covers under ``meta``'s schedule: ``cache_seqlens`` when the schedule was
+    made for them, each capped at its scheduled length when it is stale; another batch size is refused."""
+    assert meta.tile_scheduler_metadata is not None and meta.num_splits is not None
+    _check(tuple(meta.num_splits.shape) == (cache_seqlens.numel() + 1,), "num_splits must have shape (batch_size+1)")
+    return torch.minimum(cache_seqlens, meta.tile_scheduler_metadata.view(-1).to(cache_seqlens.device))
 
 
 def _check_python_layer(meta: Any, num_splits: Any) -> None:
