@@ -102,8 +102,9 @@ def _judged(p, out, lse) -> list[str]:
 
 
 def test_what_the_wheel_does_with_a_stale_schedule() -> None:
-    """Reused for longer sequences, the schedule is silently stale: no error is raised. Whether the output is still
-    right is recorded (a warning in pytest's summary, and MLA_VERIFY_GPU_RECORD), not assumed."""
+    """Reused for longer sequences, the schedule is silently stale: no error is raised, and the output is wrong (as
+    measured on the H200, 2026-12-04: docs/backends.md). The finding is recorded too (a warning in pytest's
+    summary, and MLA_VERIFY_GPU_RECORD)."""
     _ready("flashmla")
     device = _cuda()
     import flash_mla
@@ -125,7 +126,20 @@ def test_what_the_wheel_does_with_a_stale_schedule() -> None:
         path.write_text(json.dumps(finding, indent=1) + "\n")
     warnings.warn(f"FlashMLA stale schedule: {json.dumps({k: finding[k] for k in list(finding)[:4]})}", stacklevel=1)
     assert finding["schedule_kept"], "the wheel rebuilt the schedule: the hazard is not what its Python says"
+    assert failures, "the stale schedule gave a right answer: docs/backends.md says it is silently wrong"
     assert not _judged(*_decode(flash_mla, LATER, flash_mla.get_mla_metadata()[0], device))  # fresh: right
+
+
+def test_a_stale_schedule_for_another_batch_size_is_refused() -> None:
+    """The one stale reuse the wheel catches: num_splits is checked against the batch size before the launch."""
+    _ready("flashmla")
+    device = _cuda()
+    import flash_mla
+
+    meta, _ = flash_mla.get_mla_metadata()
+    _decode(flash_mla, FIRST, meta, device)
+    with pytest.raises(RuntimeError, match=r"num_splits must have shape \(batch_size\+1\)"):
+        _decode(flash_mla, replace(LATER, seq_lens=LATER.seq_lens[:3]), meta, device)
 
 
 def test_shadow_mode_catches_a_stale_schedule_at_its_call_site(tmp_path: Path) -> None:
