@@ -2,13 +2,16 @@
 # One GPU session on the lent H200, in phases, everything logged and packed into $OUT/results.tar.gz.
 #   source .gpu-bundle/activate.sh && MLA_COMMIT=<hash> bash benchmarks/h200_session.sh env warm gputests refbench bench
 #   source .gpu-bundle/activate.sh && FUZZ_MINUTES=5.2 bash benchmarks/h200_session.sh env fuzz
+#   source .gpu-bundle/activate.sh && MLA_COMMIT=<hash> bash benchmarks/h200_session.sh env flashmla
+#   source .gpu-bundle/activate.sh && FUZZ_BACKENDS="flashmla flashmla-fp8" bash benchmarks/h200_session.sh fuzz
 # (carry .gpu-bundle, and .whl when it holds wheels to install, e.g. sgl-flash-mla for the flashmla backends)
 # Phases: env (versions, doctor, commit), probe (tolerance calibration), warm (JIT-builds every variant of
 # WARM_BACKENDS, benchmarks/warm_jit.py), gputests (pytest -m gpu, GPU_TEST_WORKERS workers on the GPU),
 # reftests (tests/test_reference_cuda.py alone), refbench (reference vs fa3 time and memory), bench (grid twice
 # + agreement), fuzz (FUZZ_BACKENDS side by side, FUZZ_MINUTES each), premerge (the gate on PREMERGE_BACKENDS),
 # parallel (gputests, probe and fuzz at once), final (fuzz, gputests and premerge at once, GPU memory sampled
-# each second). FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests.
+# each second), flashmla (issue 29's gate: premerge of flashmla and its GPU tests, only once doctor names the
+# sgl-flash-mla wheel). FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests.
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -98,6 +101,15 @@ for phase in "$@"; do
       wait $fuzz $tests $!
       kill $sampler
       tail -n 4 "$R"/par_*.log ;;
+    flashmla)  # the wheel must be the FlashMLA found: without it every flashmla case would only skip
+      $MV doctor 2>&1 | grep "^flashmla " | tee "$R/flashmla_build.txt"
+      if ! grep -q "^flashmla wheel sgl.flash.mla" "$R/flashmla_build.txt"; then
+        log "flashmla: doctor names no sgl-flash-mla wheel (carry it in .whl/); phase not run"; continue
+      fi
+      $MV check --backend flashmla --device cuda --profile premerge --report "$R/premerge_flashmla.json" \
+        --fixtures-dir "$REG" 2>&1 | tee "$R/premerge_flashmla.log"
+      MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -n ${GPU_TEST_WORKERS:-4} -q \
+        -p no:cacheprovider -rsw tests/gpu/test_flashmla_gpu.py 2>&1 | tee "$R/pytest_flashmla_gpu.log" | tail -40 ;;
     premerge)
       $MV check $(printf -- "--backend %s " ${PREMERGE_BACKENDS:-fa3 fa2}) --device cuda --profile premerge \
         --report "$R/premerge_gpu.json" --fixtures-dir "$REG" 2>&1 | tee "$R/premerge_gpu.log" ;;
