@@ -9,8 +9,10 @@ minimal case, the diagnosis, the reproducer it wrote and the ``mla-verify replay
 - the ``mla_verify_kernel`` fixture: ``verify_kernel`` bound to the run's options, device and shard.
 
 Sharding: with N shards (``--mla-shards N``; by default the number of xdist workers), each kernel's run
-becomes N tests. Shard k draws ceil(max_examples / N) cases with the seed base + k and runs the profile's
-corner cases k, k + N, ..., so ``pytest -n N`` spreads one kernel's work over N workers; the cases depend on N.
+becomes N tests, so ``pytest -n N`` spreads one kernel's work over N workers. A seeded profile (premerge,
+dev): every shard draws the cases one process would and judges cases k, k + N, ... of them (corner cases
+too), so the cases do not depend on N. A random one (fuzz): shard k searches with the seed base + k for
+ceil(max_examples / N) cases (its judged errors steer its draws, so shards could not share one sequence).
 """
 from __future__ import annotations
 
@@ -39,17 +41,14 @@ class Shard:
     index: int = 0
     count: int = 1
 
-    def seed(self, seed: int | None) -> int | None:
-        """Disjoint seeds per shard; shard 0 keeps the given one (None: the engine's default)."""
-        if self.index == 0:
-            return seed
-        return (DEFAULT_SEED if seed is None else seed) + self.index
-
-    def profile(self, profile: Profile) -> tuple[Profile, int | None]:
-        """This shard's profile (every count-th corner case, from its index on) and its number of drawn cases."""
+    def plan(self, profile: Profile, seed: int | None) -> tuple[Profile, int | None, int | None]:
+        """This shard's (profile, number of drawn cases, seed); None: the profile's, the engine's default."""
         if self.count == 1:
-            return profile, None
-        return (replace(profile, corner_share=(self.index, self.count)), math.ceil(profile.max_examples / self.count))
+            return profile, None, seed
+        if profile.deterministic:  # the whole seeded sequence, every count-th case judged
+            return replace(profile, share=(self.index, self.count)), None, seed
+        shard_seed = seed if self.index == 0 else (DEFAULT_SEED if seed is None else seed) + self.index
+        return profile, math.ceil(profile.max_examples / self.count), shard_seed
 
     @property
     def label(self) -> str:
@@ -62,8 +61,8 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
     """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
     when a case fails (its reproducer written to ``fixtures_dir``)."""
     try:
-        chosen, max_examples = shard.profile(get_profile(profile))
-        result = verify(backend, device, chosen, seed=shard.seed(seed), max_examples=max_examples,
+        chosen, max_examples, shard_seed = shard.plan(get_profile(profile), seed)
+        result = verify(backend, device, chosen, seed=shard_seed, max_examples=max_examples,
                         database=resolve_database(hypothesis_db))
     except UsageError as e:  # a bad profile, database or environment variable: one line, not a traceback
         pytest.fail(str(e), pytrace=False)

@@ -70,7 +70,7 @@ _OPTION_HELP = (
     ("profile", "NAME", f"Hypothesis profile: {', '.join(PROFILES)} (default {DEFAULT_PROFILE})"),
     ("seed", "N", "Hypothesis seed (default: the profile's)"),
     ("hypothesis_db", "DB", "Hypothesis example database: a directory or redis://host:port/db"),
-    ("shards", "N", "split each backend's and kernel's verification into N tests with disjoint seeds "
+    ("shards", "N", "split each backend's and kernel's verification into N tests, each judging every N-th case "
                     "(default: the number of xdist workers, 1 without xdist)"),
     ("fixtures_dir", "DIR", f"where failing tests write reproducers (default {DEFAULT_FIXTURES_DIR})"),
 )

@@ -87,21 +87,23 @@ def test_shards_spread_one_kernel_over_the_workers(pytester, user_repo):
     result.stdout.fnmatch_lines(["mla-verify: gw0 -> cpu: 1 passed", "mla-verify: gw1 -> cpu: 1 passed"])
 
 
-def test_shards_split_the_seeds_the_drawn_cases_and_the_corner_cases():
-    premerge = get_profile("premerge")
-    assert Shard(0, 3).seed(None) is None and Shard(0, 3).seed(5) == 5  # shard 0 is the unsharded run's start
-    assert [Shard(k, 3).seed(None) for k in (1, 2)] == [DEFAULT_SEED + 1, DEFAULT_SEED + 2]
-    profiles = [Shard(k, 3).profile(premerge) for k in range(3)]
-    assert [(p.corner_cases, p.corner_share) for p, _ in profiles] == [(True, (k, 3)) for k in range(3)]
-    assert all(n * 3 >= premerge.max_examples > (n - 1) * 3 for _, n in profiles)
-    assert Shard().profile(premerge) == (premerge, None)
-
+def test_seeded_shards_judge_the_unsharded_cases_between_them():
+    """premerge and dev: every shard draws one process's sequence and judges every N-th case of it, so
+    `pytest -n N` judges the cases `pytest` does, whatever N."""
     backend = load_kernel("cli_kernels:good")
-    dev = get_profile("dev").max_examples
-    halves = [[c.id for c in verify_backend(backend, "cpu", "dev", shard=Shard(k, 2)).cases] for k in range(2)]
-    assert all(len(h) <= -(-dev // 2) for h in halves)  # each shard draws its share
-    # different cases, but for the simplest example, which Hypothesis tries first whatever the seed
-    assert len(set(halves[0]) & set(halves[1])) <= 1
+    whole = [c.id for c in verify_backend(backend, "cpu", "dev").cases]
+    thirds = [[c.id for c in verify_backend(backend, "cpu", "dev", shard=Shard(k, 3)).cases] for k in range(3)]
+    assert len(whole) == get_profile("dev").max_examples
+    assert thirds == [whole[k::3] for k in range(3)]
+
+
+def test_random_shards_search_with_their_own_seeds_and_share_of_the_examples():
+    fuzz = get_profile("fuzz")
+    plans = [Shard(k, 3).plan(fuzz, None) for k in range(3)]
+    assert [seed for _, _, seed in plans] == [None, DEFAULT_SEED + 1, DEFAULT_SEED + 2]  # shard 0: the default
+    assert all(p == fuzz and n is not None and n * 3 >= fuzz.max_examples > (n - 1) * 3 for p, n, _ in plans)
+    assert Shard(0, 3).plan(fuzz, 5)[2] == 5 and Shard(2, 3).plan(fuzz, 5)[2] == 7
+    assert Shard().plan(fuzz, 5) == (fuzz, None, 5)
 
 
 def test_each_shard_runs_its_share_of_the_corner_cases(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,12 +117,11 @@ def test_each_shard_runs_its_share_of_the_corner_cases(monkeypatch: pytest.Monke
     monkeypatch.setattr(engine, "corner_cases", lambda env, budget: corners[:4])
     dev = replace(get_profile("dev"), max_examples=1, corner_cases=True)
 
-    def corner_ids(profile: Profile) -> list[str]:
-        return [c.id for c in engine.verify(backend, torch.device("cpu"), profile, max_examples=1).cases][:-1]
+    def corner_ids(profile: Profile, corners: int) -> list[str]:  # the corner cases come first
+        return [c.id for c in engine.verify(backend, torch.device("cpu"), profile, max_examples=1).cases][:corners]
 
-    whole = corner_ids(dev)
-    assert len(whole) == 4
-    assert [corner_ids(Shard(k, 2).profile(dev)[0]) for k in range(2)] == [whole[0::2], whole[1::2]]
+    whole = corner_ids(dev, 4)
+    assert [corner_ids(Shard(k, 2).plan(dev, None)[0], 2) for k in range(2)] == [whole[0::2], whole[1::2]]
 
 
 def test_a_bad_profile_or_kernel_name_fails_the_test_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

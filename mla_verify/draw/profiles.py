@@ -29,8 +29,9 @@ class Profile:
     corner_cases: bool
     targeted: bool
     minutes: float | None = None  # wall-clock bound (fuzz)
-    # (k, n): run only corner cases k, k+n, k+2n, ... -- shard k of n (pytest -n n) takes its share of them
-    corner_share: tuple[int, int] = (0, 1)
+    # (k, n): judge only cases k, k+n, k+2n, ... of the corner cases and of the drawn sequence (pytest shard k
+    # of n); every shard draws the whole sequence, so together the shards judge the cases one process would
+    share: tuple[int, int] = (0, 1)
 
 
 PROFILES = {

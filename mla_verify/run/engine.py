@@ -141,7 +141,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
     try:
         if prof.corner_cases:
-            first, step = prof.corner_share
+            first, step = prof.share
             for case in corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
                 r = record(case, diagnose=True)
@@ -189,9 +189,17 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
 def _search(backend: Backend, prof: Profile, max_examples: int | None, database: ExampleDatabase | None,
             seed: int, budget: Budget, clock: _Clock, record: Callable[..., CaseResult],
             failures: list[CaseResult]) -> None:
+    first, step = prof.share
+    drawn_cases = itertools.count()
+
     @hypothesis_settings(prof, max_examples, database)
     @given(_clocked(cases(backend.envelope, budget), clock))
     def search(case: Case) -> None:
+        # another shard's case: drawn, so that every shard draws the same sequence, and not judged; once this
+        # shard has a failure every case is judged (Hypothesis is shrinking it)
+        if step > 1 and not failures and next(drawn_cases) % step != first:
+            clock.drawn()
+            return
         r = record(case, draw_seconds=clock.drawn())
         if prof.targeted and r.stats is not None:
             target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
