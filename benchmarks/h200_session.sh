@@ -40,6 +40,7 @@ if [ -z "${MLA_SESSION_CHILD:-}" ]; then  # once per session, not in the paralle
   if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 \
       || log "carried wheels failed to install (see pip.log)"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the phases' child processes find them too
   fi
 fi
 export MLA_SESSION_CHILD=1
