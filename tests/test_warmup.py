@@ -17,7 +17,7 @@ from mla_verify.backends.base import WarmupModule
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.backends.user_kernel import load_kernel
 from mla_verify.cli.main import main
-from mla_verify.run import engine
+from mla_verify.run import isolate
 from mla_verify.run.warmup import warm_up
 
 CPU = torch.device("cpu")
@@ -126,13 +126,13 @@ def journal(monkeypatch: pytest.MonkeyPatch) -> Journal:
 
     modules = [j.module("mod-a", slow_build), j.module("mod-b", slow_build)]
     monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: modules)
-    run_case = engine.run_case
+    run_case = isolate.run_case  # as the in-process judge calls it (check's default on CPU)
 
     def logged(*args: Any, **kwargs: Any) -> Any:
         j.log("case", None)
         return run_case(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "run_case", logged)
+    monkeypatch.setattr(isolate, "run_case", logged)
     return j
 
 

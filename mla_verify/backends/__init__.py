@@ -22,7 +22,7 @@ from .base import Backend, Envelope, PreparedCall, SparseBackend
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
 __all__ = ["Backend", "Envelope", "PreparedCall", "SparseBackend", "ENTRY_POINT_GROUP", "builtin_backends",
-           "all_backends", "get_backend", "requested_backends", "sparse_backends"]
+           "all_backends", "get_backend", "named_backend", "requested_backends", "sparse_backends"]
 
 
 def builtin_backends() -> list[Backend]:
@@ -77,6 +77,14 @@ def get_backend(name: str) -> Backend:
         known = [*registry, *sparse_backends()]
         raise UsageError(f"unknown backend '{name}'{did_you_mean(name, known)}; known: {', '.join(known)}")
     return registry[name]
+
+
+def named_backend(name: str, source: object = None) -> Backend:
+    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` callable (``MODULE:ATTR``),
+    loaded first from ``source``, where it was loaded from (Backend.source)."""
+    from .user_kernel import load_kernel
+
+    return load_kernel(name, recorded=source) if ":" in name else get_backend(name)
 
 
 def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None) -> list[Backend]:

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="end each backend's run after M minutes (plus at most the case in progress)")
     check.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
                        help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
+    check.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                       help="judge each case in a worker process, so that a kernel that crashes (a signal, a CUDA "
+                       "error) fails its case and the search goes on (default: on with --device cuda, off on cpu)")
     check.add_argument("--report", metavar="PATH",
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
     check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
@@ -81,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run this callable (MODULE:ATTR or path/to/file.py:ATTR) instead of the recorded one")
     which.add_argument("--backend", metavar="NAME", help="run this backend instead of the recorded one")
     _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
+    replay.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the case in a worker process, so that a crash is a verdict (default: on when "
+                        "its spec rebuilds the problem; --no-isolate to run it under a debugger)")
     replay.set_defaults(func=cmd_replay)
 
     report = sub.add_parser("report", help="re-render the Markdown/HTML/JUnit/SVG of a JSON report")
@@ -140,7 +146,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..draw.hypothesis_db import resolve_database
     from ..draw.profiles import get_profile
     from ..judge.selfcheck import reference_selfcheck
-    from ..records.failure import failure_lines, save_reproducer
+    from ..records.failure import failure_lines, in_flight_path, record_in_flight, save_reproducer
     from ..records.fixtures import check_writable_dir
     from ..records.report import (
         build_report,
@@ -175,6 +181,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
     backends = _select_backends(kernels, names, device) if kernels or names or not named else []
     if named:
         require_runnable(sparse, device)
+    isolate = device.type == "cuda" if ns.isolate is None else ns.isolate
+    in_flight = in_flight_path(ns.fixtures_dir)
 
     started = time.monotonic()
     selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
@@ -192,11 +200,21 @@ def cmd_check(ns: argparse.Namespace) -> int:
         if reason is not None:
             results.append(verify(backend, device, profile))  # records the backend as unavailable
             continue
+        if not isolate:
+            print(f"in-process: the case in flight is kept in {in_flight} while it runs (if this run dies, "
+                  f"`mla-verify replay {in_flight}` re-runs it)", flush=True)
         with Progress(backend.name, ns.minutes or profile.minutes, _planned_cases(backend, device, profile,
                                                                                    ns.max_examples)) as progress:
+            def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
+                if not isolate:  # write-ahead: a crash that takes this process leaves the case behind
+                    record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform, device,
+                                     backend.source)
+                progress.start(case)
+
             result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
                             minutes=ns.minutes, database=database, on_case=progress.update,
-                            on_start=progress.start, kernel_seconds=ns.case_timeout)
+                            on_start=starting, kernel_seconds=ns.case_timeout, isolate=isolate)
+        in_flight.unlink(missing_ok=True)
         print(_summary_line(result), flush=True)
         if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
             print(f"  {resolution_line(result.backend, resolved)}", flush=True)
@@ -214,8 +232,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
-        if r.failure is not None and r.failure.problem is not None:
-            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib, sources.get(r.backend))
+        if r.failure is not None and (r.failure.problem is not None or r.failure.crash):
+            saved = save_reproducer(ns.fixtures_dir, r.failure, ns.max_reproducer_mib, sources.get(r.backend),
+                                    device)
             if saved is not None:
                 fixtures[r.backend] = str(saved)
     for r in results:
@@ -285,11 +304,11 @@ def _platform_line() -> str:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(ns: argparse.Namespace) -> int:
-    from ..backends import Backend, get_backend
+    from ..backends import Backend, named_backend
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
     from ..records.fixtures import load_fixture
-    from ..run.harness import run_case
+    from ..run.isolate import InProcess, Isolated
     from .sparse import replay_sparse, sparse_fixture
 
     if (sparse := sparse_fixture(ns.fixture)) is not None:
@@ -305,7 +324,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         backend = load_kernel(ns.kernel)
     elif name:
         # a --kernel run records MODULE:ATTR, and where it was loaded from
-        backend = load_kernel(name, recorded=fx.meta.get("kernel_source")) if ":" in name else get_backend(name)
+        backend = named_backend(name, fx.meta.get("kernel_source"))
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
     device = ns.device or _replay_device(fx.meta.get("source_device"))
@@ -319,10 +338,23 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         cpu_run_settings(fx.meta.get("torch_threads", 1))
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.layout.describe()}")
+    transform = fx.meta.get("metamorphic", "none")
+    # isolated, the worker rebuilds the problem from the spec; a stored problem runs here
+    isolate = fx.problem is None if ns.isolate is None else ns.isolate
+    if isolate and fx.problem is not None:
+        raise UsageError(f"{fx.json_path}: stores its problem (its spec does not rebuild it): it cannot be replayed "
+                         "isolated; --no-isolate")
     problem, exact = fx.problem_on(device)
     if fx.problem is None:
         print(f"  problem: {_rebuilt(exact, fx.meta)}")
-    result = run_case(backend, fx.spec, fx.layout, device, fx.meta.get("metamorphic", "none"), problem=problem)
+    judge = Isolated(backend, device, None, keep_output=True) if isolate \
+        else InProcess(backend, device, None, problem)
+    try:
+        result = judge(fx.spec, fx.layout, transform, True)
+    finally:
+        judge.close()
+    if result.crash or fx.meta.get("crash"):
+        print(f"  {_crash_line(result.crash, fx.meta.get('crash'))}")
     for f in result.failures:
         print(f"  - {f}")
     for d in result.diagnosis:
@@ -331,6 +363,15 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {str(fx.meta['verdict']).upper()})"
                                                   if fx.meta.get("verdict") else ""))
     return EXIT_DISCREPANCY if result.verdict == "fail" else EXIT_OK
+
+
+def _crash_line(now: str, recorded: str | None) -> str:
+    """How a replay's crash compares with the recorded one."""
+    if not now:
+        return f"did not crash (recorded: {recorded})"
+    if now == recorded:
+        return f"crashed again (same signal/error): {now}"
+    return f"crashed again: {now}" + (f" (recorded: {recorded})" if recorded else " (recorded: no crash)")
 
 
 def _replay_device(recorded: str | None) -> torch.device:
@@ -346,6 +387,8 @@ def _rebuilt(exact: bool | None, meta: dict[str, Any]) -> str:
     """How a problem rebuilt from its spec compares with the recorded one."""
     if exact:
         return "rebuilt from its spec, bit-identical to the recorded one"
+    if exact is None and meta.get("problem_tensors") is None:
+        return "rebuilt from its spec (a case record keeps no hashes of the problem to check it against)"
     if exact is None:
         return (f"rebuilt from its spec on another device type than the recorded {meta.get('source_device')}: "
                 "the same shapes and lengths, other values")

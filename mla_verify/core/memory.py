@@ -37,6 +37,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in text or "cudaerrormemoryallocation" in text)
 
 
+def device_fault(exc: BaseException) -> str | None:
+    """The text of a CUDA error that leaves the process's context unusable (an illegal memory access, a
+    device-side assert, a launch failure), or None. torch raises AcceleratorError (a RuntimeError) for these
+    since 2.8 and a RuntimeError starting "CUDA error" before; out of memory is not one of them."""
+    if not isinstance(exc, RuntimeError) or is_out_of_memory(exc):
+        return None
+    text = str(exc).strip()
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if (accelerator is not None and isinstance(exc, accelerator)) or text.startswith("CUDA error"):
+        return text.splitlines()[0] if text else type(exc).__name__
+    return None
+
+
 def release_cached(device: torch.device) -> None:
     """Give the allocator's cached blocks back after an OOM, so other processes on the GPU can have them."""
     if device.type == "cuda":

@@ -1,25 +1,53 @@
 """A failing case as a user reads it: its FAIL block and its reproducer fixture. ``mla-verify check`` prints
-them; the pytest helpers (pytest_helpers.py) put them in the failing test's message."""
+them; the pytest helpers (pytest_helpers.py) put them in the failing test's message. Also the record of the
+case in flight, written before its kernel is called, so that a crash of the whole process leaves one."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
+
+from ..problems.generate import ProblemSpec
+from ..problems.layouts import LayoutSpec
 
 if TYPE_CHECKING:
     from ..run.harness import CaseResult
 
 DEFAULT_FIXTURES_DIR = Path("fixtures") / "regressions"  # under the current directory
+IN_FLIGHT_REASON = "the process died while this case ran (a crash of the kernel, or the process was killed)"
+
+
+def in_flight_path(directory: Path) -> Path:
+    """Where this process records the case in flight (one file per process: runs may share a directory)."""
+    return directory / f"in-flight-{os.getpid()}.json"
+
+
+def record_in_flight(directory: Path, backend: str, spec: ProblemSpec, layout: LayoutSpec, transform: str,
+                     device: torch.device, source: dict[str, str] | None = None) -> Path:
+    """Write the case about to run as a reproducer (in_flight_path), before its kernel is called: if the kernel
+    takes the process down, the file remains, and ``mla-verify replay`` re-runs the case isolated."""
+    from .fixtures import write_case_record
+
+    meta = {"kind": "in-flight", "backend": backend, "layout": layout.to_json(), "metamorphic": transform,
+            "verdict": "fail", "reason": IN_FLIGHT_REASON, "crash": "the process died",
+            **({"kernel_source": source} if source is not None else {})}
+    return write_case_record(directory, in_flight_path(directory).stem, spec, device, meta, durable=False)
 
 
 def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = None,
-                    source: dict[str, str] | None = None) -> Path | None:
+                    source: dict[str, str] | None = None, device: torch.device | str = "cpu") -> Path | None:
     """The minimal failing case as a fixture of at most ``max_mib`` MiB (default
     fixtures.DEFAULT_MAX_REPRODUCER_MIB; fixtures.write_reproducer: its spec, layout and verdict, the kernel's
     output summarised, tensors only where the spec cannot rebuild them) and, for a user kernel, ``source``:
     where it was loaded from (Backend.source), so that replay finds it from any directory. None (said on
-    stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost."""
+    stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost. A crash is
+    recorded by its spec alone (fixtures.write_case_record), as run on ``device``."""
     from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, write_reproducer
+
+    from .fixtures import write_case_record
 
     meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
             "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,
@@ -27,9 +55,12 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
             "stats": None if case.stats is None else case.stats.to_json(), "description": case.describe()}
     if source is not None:
         meta["kernel_source"] = source
-    assert case.problem is not None  # a failure keeps its problem (harness.py)
     cap = DEFAULT_MAX_REPRODUCER_MIB if max_mib is None else max_mib
     try:
+        if case.crash:  # no problem kept: the device it was on may be unusable, and its spec rebuilds it
+            meta["crash"] = case.crash
+            return write_case_record(directory, case.id, case.spec, torch.device(device), meta)
+        assert case.problem is not None  # a failure keeps its problem (harness.py)
         saved = write_reproducer(directory, case.id, case.problem, case.spec, meta, case.out, case.lse, cap << 20)
     except OSError as e:
         print(f"mla-verify: could not write the reproducer in {directory}: {e.strerror}", file=sys.stderr)
@@ -52,6 +83,9 @@ def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None 
     if fixture:
         size = sum(p.stat().st_size for p in fixture_paths(fixture) if p.exists())
         lines += [f"  reproducer: {fixture} ({size / 2**20:.2f} MiB)", f"  re-run: mla-verify replay {fixture}"]
+        if case.crash:  # docs/judging.md, "A crash"
+            lines.append(f"  where it faults: `mla-verify replay {fixture} --no-isolate` under compute-sanitizer "
+                         "(GPU) or gdb (CPU), docs/judging.md")
     elif directory is not None:
         lines.append("  reproducer: none written")
     if directory is not None:

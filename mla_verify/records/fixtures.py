@@ -7,7 +7,9 @@ safetensors at all (a pickle, a zip) is refused on load with one line.
 
 A problem drawn from a spec is rebuilt bit for bit from it on the same device type (``build_problem`` is
 deterministic there), so a regression fixture (``write_reproducer``) keeps the spec, the layout and a summary
-of the kernel's output, and stores tensors only where they cannot be rebuilt, within a size cap. Version 1
+of the kernel's output, and stores tensors only where they cannot be rebuilt, within a size cap. A case record
+(``write_case_record``: a crash's reproducer, or the case in flight written before its kernel is called) is
+the JSON alone, with no records of the problem's tensors to check a rebuilt one against. Version 1
 fixtures (every one holding its problem's tensors, e.g. fixtures/golden) load as before.
 """
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Fixture:
         if str(self.meta.get("source_device", "cpu")).split(":")[0] != device.type:
             return problem, None
         recorded = self.meta["problem_tensors"]
+        if recorded is None:  # a case record: nothing to check the rebuilt problem against
+            return problem, None
         return problem, all(tensor_record(getattr(problem, n)) == recorded[n] for n in PROBLEM_TENSORS)
 
 
@@ -161,14 +165,15 @@ def _json_bytes(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
 
 
-def _write(directory: Path, fixture_id: str, blob: bytes | None, record: dict[str, Any]) -> Path:
+def _write(directory: Path, fixture_id: str, blob: bytes | None, record: dict[str, Any],
+           durable: bool = True) -> Path:
     tensors_path, json_path = fixture_paths(directory / fixture_id)
     os.makedirs(directory, exist_ok=True)
     if blob is not None:
         _atomic_write(tensors_path, blob)
     elif tensors_path.exists():  # a stale pair from an earlier run must not pass for this fixture's tensors
         tensors_path.unlink()
-    _atomic_write(json_path, _json_bytes(record))
+    _atomic_write(json_path, _json_bytes(record), durable)
     return json_path
 
 
@@ -194,6 +199,20 @@ def write_reproducer(directory: str | os.PathLike, fixture_id: str, problem: Dec
     why = "no spec rebuilds its problem" if spec is None else "its spec does not rebuild its problem bit for bit"
     return Reproducer(None, reason=f"{why}, and the problem's {need / 2**20:.1f} MiB of tensors exceed the cap "
                                    f"of {max_bytes / 2**20:g} MiB (--max-reproducer-mib)")
+
+
+def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: ProblemSpec, device: torch.device,
+                      meta: dict[str, Any], durable: bool = True) -> Path:
+    """A case as a JSON-only fixture that its spec rebuilds, written without building its problem: the
+    reproducer of a kernel that crashed (its device may be unusable), or the record of the case about to run
+    (``durable=False``: not synced to disk, which a crash of the process does not need; it costs no time per
+    case)."""
+    record = {**meta, "spec": spec.to_json(), "format": FORMAT, "format_version": FORMAT_VERSION,
+              "source_device": str(device),
+              **({"torch_threads": torch.get_num_threads()} if device.type == "cpu" else {}),
+              "versions": library_versions(), "problem_stored": False, "problem_tensors": None,
+              "tensors_file": None, "tensors_sha256": None, "tensors": {}}
+    return _write(Path(directory), fixture_id, None, record, durable)
 
 
 def _rebuilds(spec: ProblemSpec, problem: DecodeProblem) -> bool:
@@ -245,8 +264,8 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
                                     meta.get("window_left"),
                                     None if meta.get("q_lens") is None else tuple(meta["q_lens"]))
             problem.validate()
-        elif spec is None or not isinstance(meta.get("problem_tensors"), dict) or \
-                set(meta["problem_tensors"]) != set(PROBLEM_TENSORS):
+        elif spec is None or not ("problem_tensors" in meta and meta["problem_tensors"] is None or isinstance(meta["problem_tensors"], dict)
+                                  and set(meta["problem_tensors"]) == set(PROBLEM_TENSORS)):
             raise FixtureError(f"{json_path}: stores no problem, and no spec with its problem's records to "
                                "rebuild it from")
     except MLAVerifyError as e:
@@ -370,14 +389,15 @@ def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], recorded: Any) 
             raise FixtureError(f"{path}: tensor {name!r} does not match its recorded dtype/shape/sha256: refused")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, unlike mkstemp's 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -7,7 +7,9 @@ Time bounds hold wherever Hypothesis spends its time: the deadline is checked be
 targeting and shrinking all draw) as well as before each case, so a run ends within ``minutes`` plus one
 case. Past the deadline a search that found a failure reports the smallest one seen so far. A kernel call
 that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
-every attempt would hang too). Ctrl-C ends the search and returns what was judged so far
+every attempt would hang too). With ``isolate`` each case is judged in a worker process (isolate.py): a
+kernel that crashes its process fails its case as a crash, and the search goes on and shrinks it; in this
+process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. Ctrl-C ends the search and returns what was judged so far
 (``EngineResult.interrupted``).
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ from ..backends.base import Backend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
 from ..judge.diagnose import explained
-from .harness import SKIP_MEMORY, CaseResult, run_case
+from .harness import SKIP_MEMORY, CaseResult
+from .isolate import CaseJudge, case_judge
 from .simplify import simplify, size
 from .watchdog import grace_seconds
 
@@ -100,9 +103,10 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
            on_case: Callable[[CaseResult], None] | None = None,
            on_start: Callable[[Case], None] | None = None,
            kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
-           budget: Budget | None = None) -> EngineResult:
+           budget: Budget | None = None, isolate: bool = False) -> EngineResult:
     """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
-    ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's."""
+    ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's;
+    ``isolate`` judges each case in a worker process."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = DEFAULT_SEED if seed is None else seed
@@ -117,12 +121,12 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     budget = budget if budget is not None else budget_for(device)
     minutes = prof.minutes if minutes is None else minutes
     clock = _Clock(None if minutes is None else started + 60.0 * minutes)
+    judge = case_judge(backend, device, kernel_seconds, isolate)  # a worker left by an exception ends at exit
 
     def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
         if on_start is not None:
             on_start(case)
-        r = run_case(backend, case.spec, case.layout, device, case.transform, diagnose=diagnose,
-                     kernel_seconds=kernel_seconds)
+        r = judge(case.spec, case.layout, case.transform, diagnose)
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
@@ -133,8 +137,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         if r.verdict != "fail":  # the run keeps every case's result: only a failure's tensors are used later
             r.out = r.lse = r.problem = None  # (on a GPU, thousands of outputs would fill its memory)
         result.cases.append(r)
-        if r.hung:
-            raise _Stop("hung kernel")
+        if r.hung or r.context_lost:
+            raise _Stop("hung kernel" if r.hung else "device unusable")
         return r
 
     corner_failure: CaseResult | None = None
@@ -173,7 +177,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
             if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
                 smallest = result.failure = _simplified(backend, smallest, clock, record)  # in Hypothesis's order
             if not result.interrupted:
-                result.failure = _replayed(backend, smallest, device, kernel_seconds)
+                result.failure = _replayed(smallest, judge)
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
@@ -181,6 +185,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
         result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
                                     for d in corner_failure.diagnosis]
+    judge.close()
     result.draw_seconds = clock.draw_seconds
     result.seconds = time.monotonic() - started
     return result
@@ -245,15 +250,14 @@ def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
 
 
 def _hung(result: EngineResult) -> CaseResult | None:
-    """The case whose kernel hung, if that is what ended the search."""
+    """The case whose kernel hung or left the device unusable, if that is what ended the search."""
     last = result.cases[-1] if result.cases else None
-    return last if last is not None and last.hung else None
+    return last if last is not None and (last.hung or last.context_lost) else None
 
 
-def _replayed(backend: Backend, shrunk: CaseResult, device: torch.device,
-              kernel_seconds: float | None) -> CaseResult:
+def _replayed(shrunk: CaseResult, judge: CaseJudge) -> CaseResult:
     """The minimal failing case run once more, with diagnosis; the original if it no longer fails."""
-    again = run_case(backend, shrunk.spec, shrunk.layout, device, shrunk.metamorphic, kernel_seconds=kernel_seconds)
+    again = judge(shrunk.spec, shrunk.layout, shrunk.metamorphic, True)
     if again.verdict == "fail":
         return again
     shrunk.failures.append("did not fail again when replayed (flaky kernel?)")

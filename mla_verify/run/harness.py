@@ -14,7 +14,9 @@
    (localize.py, which may re-run the kernel to tell where a NaN comes from).
 
 Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
-reason (memory.py). A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time
+reason (memory.py). A CUDA error that leaves the device unusable (an illegal memory access, a device-side
+assert) at any stage is a crash of the case: it fails with the error's text and the stage it surfaced in, and
+``context_lost`` tells the caller that this process can judge no further case (isolate.py starts another). A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time
 of each stage is recorded per case (``CaseResult.stages``); on a GPU each stage ends with a synchronize, so a
 stage is charged for its own device work.
 """
@@ -24,7 +26,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,7 +34,7 @@ import torch
 
 from ..backends.base import ENVELOPE_PREFIX, INVARIANT_BITS, INVARIANT_WITHIN_TOLERANCE, Backend, PreparedCall
 from ..core.bits import changed_elements, changed_elements_each
-from ..core.memory import is_out_of_memory, release_cached
+from ..core.memory import device_fault, is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats, baseline_result, compare
 from ..judge.diagnose import diagnose_safely
@@ -76,6 +78,8 @@ class CaseResult:
     resolved_backend: str | None = None  # the kernel a policy backend (fa-auto) ran: PreparedCall's
     # how the metamorphic check judged (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE); "" when none ran
     invariance: str = ""
+    crash: str = ""  # what ended the kernel's process or device context (a signal, a CUDA error): a failure
+    context_lost: bool = False  # this process's device is unusable after the case: no further case can run
 
     @property
     def id(self) -> str:
@@ -90,6 +94,7 @@ class CaseResult:
                 "stages": {k: round(v, 5) for k, v in self.stages.items()}, "skip_kind": self.skip_kind,
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
                 "resolved_backend": self.resolved_backend, "invariance": self.invariance,
+                **({"crash": self.crash} if self.crash else {}),
                 "stats": None if self.stats is None else self.stats.to_json()}
 
     def describe(self) -> str:
@@ -99,11 +104,16 @@ class CaseResult:
 class _Stages:
     """Seconds per stage of one case; on a GPU each stage ends with a synchronize (its work is charged to it)."""
 
-    def __init__(self, device: torch.device, into: dict[str, float]):
-        self.device, self.seconds = device, into
+    def __init__(self, device: torch.device, into: dict[str, float],
+                 on_stage: Callable[[str], None] | None = None):
+        self.device, self.seconds, self.on_stage = device, into, on_stage
+        self.current = ""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        if self.on_stage is not None:
+            self.on_stage(name)
         started = time.perf_counter()
         try:
             yield
@@ -115,9 +125,10 @@ class _Stages:
 
 def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device | str,
              transform: str = "none", problem: DecodeProblem | None = None, diagnose: bool = True,
-             kernel_seconds: float | None = None) -> CaseResult:
+             kernel_seconds: float | None = None, on_stage: Callable[[str], None] | None = None) -> CaseResult:
     """Judge ``backend`` on one case. ``problem`` overrides building from ``spec`` (fixture replay);
-    ``kernel_seconds`` limits each kernel call (None: no limit)."""
+    ``kernel_seconds`` limits each kernel call (None: no limit); ``on_stage`` is told each stage as it starts
+    (an isolated worker's parent learns from it where a dead worker was)."""
     device = torch.device(device)
     started = time.perf_counter()
     result = CaseResult(backend.name, spec, layout, transform, "pass")
@@ -126,17 +137,31 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
         kind = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
         result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", kind
         return result
-    stage = _Stages(device, result.stages)
+    stage = _Stages(device, result.stages, on_stage)
     try:
         _judge(backend, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
-    except Exception as exc:  # noqa: BLE001 - only out-of-memory is caught; anything else is the suite's bug
-        if not is_out_of_memory(exc):
+    except Exception as exc:  # noqa: BLE001 - out of memory and device faults; anything else is the suite's bug
+        fault = device_fault(exc)
+        if fault is not None:
+            crashed(result, fault, stage.current)
+            result.context_lost = True
+        elif is_out_of_memory(exc):
+            release_cached(device)
+            result.verdict, result.reason, result.skip_kind = "skip", OUT_OF_MEMORY, SKIP_MEMORY
+            result.failures, result.diagnosis, result.out, result.lse, result.problem = [], [], None, None, None
+        else:
             raise
-        release_cached(device)
-        result.verdict, result.reason, result.skip_kind = "skip", OUT_OF_MEMORY, SKIP_MEMORY
-        result.failures, result.diagnosis, result.out, result.lse, result.problem = [], [], None, None, None
     result.seconds = time.perf_counter() - started
     return result
+
+
+def crashed(result: CaseResult, what: str, stage: str) -> None:
+    """Make ``result`` the failure of a case whose kernel crashed (``what``: the signal or error) in ``stage``."""
+    result.crash = what
+    result.verdict = "fail"
+    result.reason = f"the kernel crashed: {what}" + (f" (in stage '{stage}')" if stage else "")
+    result.failures = [result.reason]
+    result.diagnosis, result.out, result.lse, result.problem = [], None, None, None
 
 
 def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
@@ -234,7 +259,7 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
         failures.append(f"the kernel {exc} (a kernel that does not return is a bug)")
         return None
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
-        if is_out_of_memory(exc):
+        if is_out_of_memory(exc) or device_fault(exc) is not None:
             raise
         failures.append(f"kernel raised {exception_line(exc)}")
         return None

@@ -5,7 +5,8 @@ thread, which interrupts Python code and sleeps (a PyTorch kernel, a kernel stuc
 stuck in native code never returns to the interpreter, so a daemon thread waits a grace period more (15 s;
 ``GRACE_ENV``), then prints one line naming the case and ends the process with exit code 1 (the discrepancy
 exit: a hung kernel fails the gate). Where SIGALRM cannot be used (not the main thread, no SIGALRM on the
-platform) the call runs unguarded. Import rule: the standard library and ``errors`` only.
+platform) the call runs unguarded. An isolated worker (isolate.py) ends with its own exit code instead
+(``set_stuck_exit``), which its parent reads as "hung past the watchdog". Import rule: the standard library and ``errors`` only.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..core.errors import UsageError
 # shortens it for tests and lengthens it for slow machines)
 GRACE_ENV = "MLA_VERIFY_WATCHDOG_GRACE_S"
 EXIT_HUNG = 1
+_stuck_exit, _stuck_ends = EXIT_HUNG, "the run"  # the exit code and what ends with a process the hard stop ends
 
 
 class KernelTimeout(Exception):
@@ -62,12 +64,18 @@ class _HardStop:
                 else:
                     sys.stderr.write(f"\nmla-verify: FAIL: the kernel did not return within {self._limit:g} s "
                                      f"and could not be interrupted (stuck in native code) on {self._what}; "
-                                     "ending the run\n")
+                                     f"ending {_stuck_ends}\n")
                     sys.stderr.flush()
-                    os._exit(EXIT_HUNG)
+                    os._exit(_stuck_exit)
 
 
 _hard_stop: _HardStop | None = None
+
+
+def set_stuck_exit(code: int, ends: str) -> None:
+    """The exit code with which the hard stop ends this process (default EXIT_HUNG), and what it ends."""
+    global _stuck_exit, _stuck_ends
+    _stuck_exit, _stuck_ends = code, ends
 
 
 def grace_seconds() -> float:

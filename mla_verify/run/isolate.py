@@ -1,0 +1,225 @@
+"""Each case judged in a worker process, so that a kernel that kills its process -- a signal (a segfault, an
+abort), a CUDA error that leaves the device context unusable, a native hang ended by the watchdog -- costs one
+case, which fails as a crash, while the search in the parent goes on and shrinks it like any failure.
+
+The model is AFL's fork server: a forkserver process imports torch and this package once, and each worker
+forks from it in milliseconds, loads the backend (``named_backend``: by name, or a ``--kernel`` from where it
+was loaded) and judges cases until it dies; a dead worker is replaced before the next case. The fork server
+never touches CUDA, so each worker makes its own context (forking a process that holds one is not safe).
+
+Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
+from its spec (problems regenerate bit for bit), the parent rebuilds a failing case's problem for its
+reproducer, and the kernel's output comes back as safetensors bytes. The stage each case is in is kept in
+shared memory, so the parent knows it after a death.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import signal
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..backends import Backend, named_backend
+from ..core.errors import MLAVerifyError, UsageError
+from ..core.tracebacks import exception_line
+from ..judge.compare import ErrorStats
+from ..problems.generate import ProblemSpec, build_problem
+from ..problems.layouts import LayoutSpec
+from ..problems.problem import DecodeProblem
+from . import watchdog
+from .harness import STAGES, CaseResult, crashed, run_case
+
+EXIT_STUCK = 86  # a worker ended by the watchdog's hard stop (a kernel stuck in native code); any free code
+_PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "skip_kind", "hung",
+          "resolved_backend", "invariance", "crash", "context_lost")  # the CaseResult fields sent as they are
+
+
+class CaseJudge(Protocol):
+    """Judges one case of one backend (``run_case``'s arguments beyond the backend); ``close`` frees it."""
+
+    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class InProcess:
+    """Cases judged in this process (``--no-isolate``): a crash of the kernel is a crash of the run."""
+
+    backend: Backend
+    device: torch.device
+    kernel_seconds: float | None
+    problem: DecodeProblem | None = None  # instead of building each case's from its spec (a fixture's replay)
+
+    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+        return run_case(self.backend, spec, layout, self.device, transform, problem=self.problem, diagnose=diagnose,
+                        kernel_seconds=self.kernel_seconds)
+
+    def close(self) -> None:
+        pass
+
+
+class Isolated:
+    """Cases judged in a persistent worker process, replaced after each death. ``keep_output``: the kernel's
+    output and LSE come back for every case (replay compares their bits), not only for failures."""
+
+    def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
+                 keep_output: bool = False) -> None:
+        self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        self._mp = multiprocessing.get_context(method)
+        if method == "forkserver":  # imported once in the fork server, not in every worker
+            self._mp.set_forkserver_preload(["torch", __name__])
+        self._stage = self._mp.RawValue("i", -1)  # index into STAGES of the running case's stage
+        self._worker: Any = None
+        self._conn: Connection | None = None
+        self.deaths = 0
+
+    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+        if self._worker is None:
+            self._start()
+        assert self._conn is not None
+        self._stage.value = -1
+        request = {"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
+                   "diagnose": diagnose, "kernel_seconds": self.kernel_seconds, "keep_output": self.keep_output}
+        try:
+            self._conn.send_bytes(json.dumps(request).encode())
+            reply = self._receive()
+        except (BrokenPipeError, ConnectionResetError):
+            reply = None
+        if reply is None:
+            result = CaseResult(self.backend.name, spec, layout, transform, "pass")
+            crashed(result, self._death(), STAGES[self._stage.value] if self._stage.value >= 0 else "")
+            return result
+        header, tensors = reply
+        if "internal" in header:  # the suite's own bug, as in-process: not the kernel's verdict
+            raise RuntimeError(f"in the isolated worker: {header['internal']}")
+        result = _decoded(self.backend.name, spec, layout, transform, header, tensors)
+        if result.context_lost:  # the worker has exited: the next case gets a fresh one, the search goes on
+            self._stop()
+            result.context_lost = False
+        if result.verdict == "fail" and not result.crash:  # for the reproducer, as run_case keeps it
+            result.problem = build_problem(spec, self.device)
+        return result
+
+    def close(self) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        conn, child = self._mp.Pipe()
+        self._worker = self._mp.Process(
+            target=_serve, name=f"mla-verify worker ({self.backend.name})", daemon=True,
+            args=(child, self.backend.name, self.backend.source, str(self.device), torch.get_num_threads(),
+                  self._stage))
+        self._worker.start()
+        child.close()
+        self._conn = conn
+        reply = self._receive()
+        if reply is None:
+            raise UsageError(f"{self.backend.name}: the isolated worker died while loading the backend "
+                             f"({self._death()}); --no-isolate runs it in this process")
+        if "error" in reply[0]:
+            self._stop()
+            raise UsageError(f"{self.backend.name}: the isolated worker could not load it: {reply[0]['error']} "
+                             "(--no-isolate runs it in this process)")
+
+    def _receive(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """The worker's next message and its tensors; None when it died first."""
+        assert self._conn is not None
+        wait([self._conn, self._worker.sentinel])
+        try:
+            header = json.loads(self._conn.recv_bytes())
+            tensors = st_load(self._conn.recv_bytes()) if header.get("tensors") else {}
+        except (EOFError, ConnectionResetError):
+            return None
+        return header, tensors
+
+    def _death(self) -> str:
+        """What ended the worker, and forget it (the next case starts another)."""
+        self._worker.join()
+        code = self._worker.exitcode
+        self.deaths += 1
+        self._forget()
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            return f"killed by {name} ({signal.strsignal(-code) or name})"
+        if code == EXIT_STUCK:
+            return (f"did not return within {self.kernel_seconds:g} s and could not be interrupted (stuck in native "
+                    "code): its worker process was ended")
+        return f"its worker process exited with code {code}"
+
+    def _stop(self) -> None:
+        if self._worker is None:
+            return
+        assert self._conn is not None
+        self._conn.close()  # the worker's next read ends it
+        self._worker.join(timeout=5)
+        if self._worker.is_alive():  # stuck in a kernel
+            self._worker.kill()
+            self._worker.join()
+        self._forget()
+
+    def _forget(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._worker = self._conn = None
+
+
+def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | None, isolate: bool) -> CaseJudge:
+    return Isolated(backend, device, kernel_seconds) if isolate else InProcess(backend, device, kernel_seconds)
+
+
+def _decoded(name: str, spec: ProblemSpec, layout: LayoutSpec, transform: str, header: dict[str, Any],
+             tensors: dict[str, torch.Tensor]) -> CaseResult:
+    stats = header["stats"]
+    return CaseResult(name, spec, layout, transform, **{k: header[k] for k in _PLAIN},
+                      stats=None if stats is None else ErrorStats(**{**stats, "worst": tuple(stats["worst"])}),
+                      out=tensors.get("out"), lse=tensors.get("lse"))
+
+
+def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+    conn.send_bytes(json.dumps({**message, "tensors": bool(tensors)}).encode())  # NaN/inf stats: JSON's extension
+    if tensors:
+        conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
+
+
+def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, stage: Any) -> None:
+    """The worker: load the backend, then judge each case sent until the parent closes the pipe, or until a
+    CUDA error leaves this process's device unusable."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends this worker
+    watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
+    torch.set_num_threads(threads)  # the parent's count: CPU sums round by it
+    try:
+        backend = named_backend(name, source)
+    except MLAVerifyError as e:
+        _send(conn, {"error": str(e)})
+        return
+    _send(conn, {"ready": True})
+
+    def entered(name: str) -> None:
+        stage.value = STAGES.index(name)
+
+    while True:
+        try:
+            request = json.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        try:
+            r = run_case(backend, ProblemSpec.from_json(request["spec"]), LayoutSpec(**request["layout"]),
+                         device, request["transform"], diagnose=request["diagnose"],
+                         kernel_seconds=request["kernel_seconds"], on_stage=entered)
+        except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as its own
+            _send(conn, {"internal": exception_line(exc)})
+            return
+        header = {k: getattr(r, k) for k in _PLAIN}
+        header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
+        kept = r.verdict == "fail" or request["keep_output"]
+        _send(conn, header, {k: t for k, t in (("out", r.out), ("lse", r.lse)) if t is not None and kept})
+        if r.context_lost:
+            return
