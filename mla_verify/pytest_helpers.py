@@ -30,7 +30,7 @@ from .backends.user_kernel import kernel_backend, load_kernel
 from .core.errors import UsageError
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import Profile, get_profile
-from .records.failure import DEFAULT_FIXTURES_DIR, failure_lines, save_reproducer
+from .records.failure import DEFAULT_FIXTURES_DIR, failure_lines, in_flight_path, record_in_flight, save_reproducer
 from .run.engine import DEFAULT_SEED, EngineResult, verify
 
 
@@ -57,23 +57,34 @@ class Shard:
 
 def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile: str = "premerge",
                    seed: int | None = None, shard: Shard = Shard(), hypothesis_db: str | None = None,
-                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR) -> EngineResult:
+                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR, isolate: bool = False) -> EngineResult:
     """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
-    when a case fails (its reproducer written to ``fixtures_dir``)."""
+    when a case fails (its reproducer written to ``fixtures_dir``). ``isolate``: each case in a worker process,
+    so that a kernel that crashes fails its case; in this process, the case in flight is recorded before its
+    kernel runs (failure.record_in_flight), which a crash of this process (an xdist worker's) leaves behind."""
+    fixtures_dir = Path(fixtures_dir)
+
+    def starting(case: Any) -> None:
+        record_in_flight(fixtures_dir, backend.name, case.spec, case.layout, case.transform, torch.device(device),
+                         backend.source)
+
     try:
         chosen, max_examples, shard_seed = shard.plan(get_profile(profile), seed)
         result = verify(backend, device, chosen, seed=shard_seed, max_examples=max_examples,
-                        database=resolve_database(hypothesis_db))
+                        database=resolve_database(hypothesis_db), isolate=isolate,
+                        on_start=None if isolate else starting)
     except UsageError as e:  # a bad profile, database or environment variable: one line, not a traceback
         pytest.fail(str(e), pytrace=False)
+    in_flight_path(fixtures_dir).unlink(missing_ok=True)
     if result.interrupted:  # the engine stopped at Ctrl-C with what it had: pytest must stop too
         raise KeyboardInterrupt
     if result.unavailable:
         pytest.skip(result.unavailable)
     if result.failure is not None:
         case = result.failure
-        saved = save_reproducer(Path(fixtures_dir), case, source=backend.source) if case.problem is not None else None
-        pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved), Path(fixtures_dir))),
+        saved = save_reproducer(fixtures_dir, case, source=backend.source, device=device) \
+            if case.problem is not None or case.crash else None
+        pytest.fail("\n".join(failure_lines(case, None if saved is None else str(saved), fixtures_dir)),
                     pytrace=False)
     assert result.cases, f"no case was run for {backend.name}"
     return result

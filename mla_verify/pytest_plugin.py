@@ -53,11 +53,14 @@ class MLAOptions:
     hypothesis_db: str | None  # directory or redis:// URL, resolved by hypothesis_db.resolve_database
     shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
     fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
+    isolate: bool | None = None  # None: --mla-kernel's tests isolated, the verify_kernel fixture's not
 
-    def verify_options(self, device: torch.device, shard: Shard) -> dict[str, Any]:
-        """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run."""
+    def verify_options(self, device: torch.device, shard: Shard, isolate: bool = False) -> dict[str, Any]:
+        """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run;
+        ``isolate`` is the default when the run does not say."""
         return dict(device=device, profile=self.profile, seed=self.seed, shard=shard,
-                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir)
+                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir,
+                    isolate=isolate if self.isolate is None else self.isolate)
 
 
 # name, metavar, help; "backend" is the one repeatable option (an ini linelist, a comma list in the env)
@@ -73,6 +76,8 @@ _OPTION_HELP = (
     ("shards", "N", "split each backend's and kernel's verification into N tests, each judging every N-th case "
                     "(default: the number of xdist workers, 1 without xdist)"),
     ("fixtures_dir", "DIR", f"where failing tests write reproducers (default {DEFAULT_FIXTURES_DIR})"),
+    ("isolate", "on|off", "judge each case in a worker process, so that a kernel that crashes fails its case "
+                          "(default: on for --mla-kernel, off for the mla_verify_kernel fixture)"),
 )
 
 
@@ -125,10 +130,14 @@ def read_options(config: pytest.Config) -> MLAOptions:
     database = _raw(config, "hypothesis_db")
     resolve_database(database)
     fixtures_dir = Path(_raw(config, "fixtures_dir") or DEFAULT_FIXTURES_DIR)
+    isolate = _raw(config, "isolate")
+    if isolate not in (None, "on", "off"):
+        raise UsageError(f"--mla-isolate: {isolate!r} is not on or off")
     return MLAOptions(backends=backends, kernel=kernel,
                       device=parse_device_request(_raw(config, "device") or "auto"), profile=profile,
                       seed=seed, hypothesis_db=database, shards=None if shards_text is None else int(shards_text),
-                      fixtures_dir=str(config.invocation_params.dir / fixtures_dir))
+                      fixtures_dir=str(config.invocation_params.dir / fixtures_dir),
+                      isolate=None if isolate is None else isolate == "on")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -213,7 +222,8 @@ class KernelItem(pytest.Item):
         options = self.config.stash[_OPTIONS_KEY]
         device = torch.device(worker_assignment(self.config).run_device)
         assert options.kernel is not None  # this item is collected only for --mla-kernel
-        verify_backend(load_kernel(options.kernel, "--mla-kernel"), **options.verify_options(device, self.shard))
+        verify_backend(load_kernel(options.kernel, "--mla-kernel"),
+                       **options.verify_options(device, self.shard, isolate=True))
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return Path(__file__), None, self.name

@@ -46,5 +46,14 @@ def hangs_in_native_code_on_big_batches(query: torch.Tensor, *args: Any, **kwarg
     return cpu_peer_decode(query, *args, **kwargs)
 
 
-for kernel in (segfaults_on_big_batches, aborts_on_long_sequences, hangs_in_native_code_on_big_batches):
+def cuda_error_on_big_batches(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Raises the error torch raises after an illegal memory access (which leaves the CUDA context unusable)
+    when the batch has CRASH_BATCH requests or more: a GPU kernel's crash, on the CPU."""
+    if _batch(query) >= CRASH_BATCH:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    return cpu_peer_decode(query, *args, **kwargs)
+
+
+for kernel in (segfaults_on_big_batches, aborts_on_long_sequences, hangs_in_native_code_on_big_batches,
+               cuda_error_on_big_batches):
     kernel.mla_verify_envelope = SMALL_ENVELOPE  # type: ignore[attr-defined]

@@ -98,10 +98,10 @@ def test_tensors_without_json(tmp_path):
 def test_crash_before_json_leaves_a_detectable_half_pair(tmp_path, monkeypatch):
     real = fixtures._atomic_write
 
-    def crash_on_json(p, data):
+    def crash_on_json(p, data, durable=True):
         if p.suffix == ".json":
             raise OSError("disk full")
-        real(p, data)
+        real(p, data, durable)
 
     monkeypatch.setattr(fixtures, "_atomic_write", crash_on_json)
     with pytest.raises(OSError):

@@ -43,7 +43,7 @@ def clean_env(monkeypatch):
 def test_defaults(pytester, clean_env):
     expected = ("MLAOptions(backends=(), kernel=None, device=DeviceRequest('auto'), profile='premerge', "
                 "seed=None, hypothesis_db=None, shards=None, "
-                "fixtures_dir=os.path.join(os.getcwd(), 'fixtures', 'regressions'))")
+                "fixtures_dir=os.path.join(os.getcwd(), 'fixtures', 'regressions'), isolate=None)")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     pytester.runpytest(*QUIET).assert_outcomes(passed=1)
 
@@ -56,7 +56,7 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
     expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.kernels.mutants:correct_kernel', "
                 "device=DeviceRequest('cpu'), profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
-                "fixtures_dir=os.path.join(os.getcwd(), 'from-env'))")
+                "fixtures_dir=os.path.join(os.getcwd(), 'from-env'), isolate=None)")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     # -k: only the options check, not the kernel tests --mla-kernel adds
     pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.kernels.mutants:correct_kernel", "--mla-device", "cpu",

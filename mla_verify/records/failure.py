@@ -21,8 +21,9 @@ IN_FLIGHT_REASON = "the process died while this case ran (a crash of the kernel,
 
 
 def in_flight_path(directory: Path) -> Path:
-    """Where this process records the case in flight (one file per process: runs may share a directory)."""
-    return directory / f"in-flight-{os.getpid()}.json"
+    """Where this process records the case in flight: one file per process (runs may share a directory), named
+    by its xdist worker (which xdist names when it crashes), else by its pid."""
+    return directory / f"in-flight-{os.environ.get('PYTEST_XDIST_WORKER') or os.getpid()}.json"
 
 
 def record_in_flight(directory: Path, backend: str, spec: ProblemSpec, layout: LayoutSpec, transform: str,
@@ -45,9 +46,7 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
     where it was loaded from (Backend.source), so that replay finds it from any directory. None (said on
     stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost. A crash is
     recorded by its spec alone (fixtures.write_case_record), as run on ``device``."""
-    from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, write_reproducer
-
-    from .fixtures import write_case_record
+    from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, write_case_record, write_reproducer
 
     meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
             "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,

@@ -264,8 +264,7 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
                                     meta.get("window_left"),
                                     None if meta.get("q_lens") is None else tuple(meta["q_lens"]))
             problem.validate()
-        elif spec is None or not ("problem_tensors" in meta and meta["problem_tensors"] is None or isinstance(meta["problem_tensors"], dict)
-                                  and set(meta["problem_tensors"]) == set(PROBLEM_TENSORS)):
+        elif spec is None or not _problem_records_ok(meta):
             raise FixtureError(f"{json_path}: stores no problem, and no spec with its problem's records to "
                                "rebuild it from")
     except MLAVerifyError as e:
@@ -275,6 +274,15 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     except (KeyError, TypeError, ValueError) as e:
         raise FixtureError(f"{json_path}: malformed record ({type(e).__name__}: {e})") from None
     return Fixture(problem, spec, layout, meta, tensors, json_path)
+
+
+def _problem_records_ok(meta: dict[str, Any]) -> bool:
+    """A fixture without its problem records the problem's tensors (to check a rebuilt one), or records None
+    for them (a case record, write_case_record)."""
+    if "problem_tensors" not in meta:
+        return False
+    records = meta["problem_tensors"]
+    return records is None or isinstance(records, dict) and set(records) == set(PROBLEM_TENSORS)
 
 
 def _check_case_fields(json_path: Path, meta: dict[str, Any]) -> None:

@@ -9,8 +9,8 @@ case. Past the deadline a search that found a failure reports the smallest one s
 that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
 every attempt would hang too). With ``isolate`` each case is judged in a worker process (isolate.py): a
 kernel that crashes its process fails its case as a crash, and the search goes on and shrinks it; in this
-process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. Ctrl-C ends the search and returns what was judged so far
-(``EngineResult.interrupted``).
+process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. Ctrl-C
+ends the search and returns what was judged so far (``EngineResult.interrupted``).
 """
 from __future__ import annotations
 

@@ -16,9 +16,10 @@
 Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
 reason (memory.py). A CUDA error that leaves the device unusable (an illegal memory access, a device-side
 assert) at any stage is a crash of the case: it fails with the error's text and the stage it surfaced in, and
-``context_lost`` tells the caller that this process can judge no further case (isolate.py starts another). A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time
-of each stage is recorded per case (``CaseResult.stages``); on a GPU each stage ends with a synchronize, so a
-stage is charged for its own device work.
+``context_lost`` tells the caller that this process can judge no further case (isolate.py starts another).
+A kernel call that runs past ``time_limit`` seconds fails the case (watchdog.py). The time of each stage
+is recorded per case (``CaseResult.stages``); on a GPU each stage ends with a synchronize, so a stage is
+charged for its own device work.
 """
 from __future__ import annotations
 

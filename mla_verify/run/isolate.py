@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 import signal
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
@@ -73,7 +74,7 @@ class Isolated:
                  keep_output: bool = False) -> None:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        self._mp = multiprocessing.get_context(method)
+        self._mp: Any = multiprocessing.get_context(method)
         if method == "forkserver":  # imported once in the fork server, not in every worker
             self._mp.set_forkserver_preload(["torch", __name__])
         self._stage = self._mp.RawValue("i", -1)  # index into STAGES of the running case's stage
@@ -116,7 +117,7 @@ class Isolated:
         self._worker = self._mp.Process(
             target=_serve, name=f"mla-verify worker ({self.backend.name})", daemon=True,
             args=(child, self.backend.name, self.backend.source, str(self.device), torch.get_num_threads(),
-                  self._stage))
+                  watchdog.grace_seconds(), self._stage))
         self._worker.start()
         child.close()
         self._conn = conn
@@ -189,12 +190,14 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
         conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
 
 
-def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, stage: Any) -> None:
+def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, grace: float, stage: Any) -> None:
     """The worker: load the backend, then judge each case sent until the parent closes the pipe, or until a
-    CUDA error leaves this process's device unusable."""
+    CUDA error leaves this process's device unusable. ``threads`` and ``grace`` are the parent's now (the
+    environment is the fork server's, from when it started)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends this worker
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
-    torch.set_num_threads(threads)  # the parent's count: CPU sums round by it
+    os.environ[watchdog.GRACE_ENV] = repr(grace)
+    torch.set_num_threads(threads)  # CPU sums round by the thread count
     try:
         backend = named_backend(name, source)
     except MLAVerifyError as e:

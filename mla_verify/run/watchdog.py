@@ -6,7 +6,8 @@ stuck in native code never returns to the interpreter, so a daemon thread waits 
 ``GRACE_ENV``), then prints one line naming the case and ends the process with exit code 1 (the discrepancy
 exit: a hung kernel fails the gate). Where SIGALRM cannot be used (not the main thread, no SIGALRM on the
 platform) the call runs unguarded. An isolated worker (isolate.py) ends with its own exit code instead
-(``set_stuck_exit``), which its parent reads as "hung past the watchdog". Import rule: the standard library and ``errors`` only.
+(``set_stuck_exit``), which its parent reads as "hung past the watchdog". Import rule: the standard library
+and ``errors`` only.
 """
 from __future__ import annotations
 

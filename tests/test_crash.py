@@ -1,0 +1,144 @@
+"""A kernel that crashes gets a verdict: isolated, a segfault, an abort or a native hang on some inputs fails
+its case as a crash, the search shrinks it to the smallest crashing input, and its reproducer crashes again
+on replay; in this process, a CUDA error is a crash of the running case (exit 1, never "internal error"), and
+a crash that takes the process leaves the case in flight behind.
+
+Isolated runs are in this process (the crashes are the workers'); a crash of the process itself, and pytest
+under xdist, run in a subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from crashing_kernels import CRASH_BATCH, CRASH_SEQ_LEN
+
+from mla_verify.cli.main import main
+from mla_verify.core.memory import device_fault
+from mla_verify.records.fixtures import load_fixture
+from mla_verify.run.watchdog import GRACE_ENV
+
+TESTS = Path(__file__).resolve().parent
+# the subprocesses start in tmp_path (their reproducers go there): this checkout first, the test kernels beside it
+PYTHONPATH = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+
+
+def check(capsys, kernel: str, tmp_path: Path, *argv: str) -> tuple[int, str]:
+    """``mla-verify check`` in this process: isolated, the kernel's crashes are its workers'."""
+    code = main(["check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cpu", "--profile", "premerge",
+                 "--fixtures-dir", str(tmp_path / "fx"), *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "internal error" not in err, err
+    return code, out
+
+
+def reproducer(out: str) -> Path:
+    found = re.search(r"reproducer: (\S+\.json)", out)
+    assert found, out
+    return Path(found.group(1))
+
+
+def replay(capsys, path: Path) -> tuple[int, str]:
+    code = main(["replay", str(path)])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernel, signal_name, minimal", [
+    # the smallest crashing inputs: CRASH_BATCH requests of one token each; one sequence of CRASH_SEQ_LEN + 1
+    ("segfaults_on_big_batches", "SIGSEGV", [1] * CRASH_BATCH),
+    ("aborts_on_long_sequences", "SIGABRT", [CRASH_SEQ_LEN + 1]),
+])
+def test_an_isolated_crash_is_shrunk_to_the_smallest_crashing_case_and_replays(capsys, tmp_path, kernel,
+                                                                                signal_name, minimal):
+    code, out = check(capsys, kernel, tmp_path, "--isolate")
+    assert code == 1, out
+    assert f"FAIL crashing_kernels:{kernel}: the kernel crashed: killed by {signal_name}" in out
+    assert "(in stage 'kernel')" in out
+    fx = load_fixture(reproducer(out))
+    assert fx.spec is not None and signal_name in fx.meta["crash"]
+    assert (list(fx.spec.seq_lens), fx.spec.num_heads, fx.spec.q_len) == (minimal, 1, 1)
+    code, out = replay(capsys, fx.json_path)
+    assert code == 1, out
+    assert f"crashed again (same signal/error): killed by {signal_name}" in out
+
+
+def test_a_kernel_stuck_in_native_code_is_a_crash_of_its_case_and_the_search_goes_on(capsys, tmp_path,
+                                                                                       monkeypatch):
+    # each stuck attempt costs the 0.3 s limit and the 0.2 s grace: the shrinking takes a few seconds
+    monkeypatch.setenv(GRACE_ENV, "0.2")
+    code, out = check(capsys, "hangs_in_native_code_on_big_batches", tmp_path, "--isolate", "--case-timeout", "0.3")
+    assert code == 1, out
+    assert "did not return within 0.3 s and could not be interrupted (stuck in native code)" in out
+    fx = load_fixture(reproducer(out))
+    assert fx.spec is not None and list(fx.spec.seq_lens) == [1] * CRASH_BATCH
+
+
+def test_isolation_gives_the_same_cases_and_verdicts(capsys, tmp_path):
+    reports = []
+    for isolate in ("--isolate", "--no-isolate"):
+        code = main(["check", "--kernel", "cli_kernels:wrong_scale", "--device", "cpu", isolate, "--fixtures-dir",
+                     str(tmp_path / "fx"), "--report", str(tmp_path / f"{isolate}.json")])
+        assert code == 1, capsys.readouterr()
+        cases = json.loads((tmp_path / f"{isolate}.json").read_text())["cases"]
+        reports.append([(c["id"], c["verdict"], c["reason"]) for c in cases])
+    assert reports[0] == reports[1]
+    assert {"pass", "fail"} <= {verdict for _, verdict, _ in reports[0]}  # both verdicts compared
+
+
+def test_a_crash_that_takes_the_process_leaves_the_case_in_flight(capsys, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mla_verify.cli", "check", "--no-isolate", "--device", "cpu",
+                           "--kernel", "crashing_kernels:segfaults_on_big_batches", "--fixtures-dir", "fx"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == -signal.SIGSEGV, done.stdout + done.stderr  # nothing of this process survives
+    recorded = re.search(r"the case in flight is kept in (\S+\.json)", done.stdout)
+    assert recorded, done.stdout
+    fx = load_fixture(tmp_path / recorded.group(1))
+    assert fx.spec is not None and fx.spec.batch >= CRASH_BATCH
+    code, out = replay(capsys, fx.json_path)
+    assert code == 1, out
+    # the record knew only that the process died; the isolated replay names the signal
+    assert "crashed again: killed by SIGSEGV" in out
+
+
+@pytest.mark.parametrize("isolate", ["--isolate", "--no-isolate"])
+def test_a_cuda_error_is_a_crash_of_the_running_case(capsys, tmp_path, isolate):
+    code, out = check(capsys, "cuda_error_on_big_batches", tmp_path, isolate)
+    assert code == 1, out
+    assert "the kernel crashed: CUDA error: an illegal memory access was encountered" in out
+    fx = load_fixture(reproducer(out))
+    assert fx.spec is not None and fx.spec.batch >= CRASH_BATCH
+    if isolate == "--isolate":  # the worker is replaced and the search shrinks it
+        assert list(fx.spec.seq_lens) == [1] * CRASH_BATCH
+    else:  # this process's device would be unusable: the search ends at the first crash
+        assert re.search(r"\(\d+ passed, 1 failed", out), out
+
+
+def test_pytest_mla_kernel_reports_a_crash_with_its_reproducer(tmp_path):
+    # under xdist: the crash is the isolated worker's, not the xdist worker's
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
+                           "--mla-device", "cpu", "--mla-kernel", "crashing_kernels:segfaults_on_big_batches",
+                           "--mla-fixtures-dir", "fx"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH}, cwd=tmp_path, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the kernel crashed: killed by SIGSEGV" in done.stdout
+    assert "crashed while running" not in done.stdout  # xdist's words for a worker it lost
+    assert load_fixture(tmp_path / reproducer(done.stdout)).meta["crash"].startswith("killed by SIGSEGV")
+
+
+@pytest.mark.parametrize("exc, fault", [
+    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nmore"),
+     "CUDA error: an illegal memory access was encountered"),
+    (RuntimeError("CUDA error: device-side assert triggered"), "CUDA error: device-side assert triggered"),
+    (torch.OutOfMemoryError("CUDA out of memory"), None),  # a skip, not a crash
+    (RuntimeError("shape mismatch"), None),
+])
+def test_device_fault_names_the_cuda_errors_that_end_a_context(exc, fault):
+    assert device_fault(exc) == fault
