@@ -1,5 +1,6 @@
 """Contract-1 kernels that take their process down on some inputs only, for the crash tests: correct
-elsewhere. Importable as ``crashing_kernels:NAME`` with tests/ on PYTHONPATH."""
+elsewhere (the CPU peer, which runs on any device). Importable as ``crashing_kernels:NAME`` with tests/ on
+PYTHONPATH. The ``*_past_its_pool`` ones are GPU kernels (tests/gpu/test_crash_gpu.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -54,6 +55,44 @@ def cuda_error_on_big_batches(query: torch.Tensor, *args: Any, **kwargs: Any) ->
     return cpu_peer_decode(query, *args, **kwargs)
 
 
+def gathers_past_its_pool(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int,
+                          rope: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, *args: Any,
+                          **kwargs: Any) -> Any:
+    """When a sequence is longer than CRASH_SEQ_LEN tokens, gathers cache rows past the pool's end, as a kernel
+    trusting its indices does: on CUDA, torch's indexing kernel then fails a device-side assert, which leaves
+    the process's CUDA context unusable."""
+    if int(seq_lens.max()) > CRASH_SEQ_LEN:
+        pool = kv_cache.reshape(-1, kv_cache.shape[-1])
+        past = torch.arange(pool.shape[0], pool.shape[0] + 64, device=pool.device)
+        float(pool[past].float().sum())  # the sync makes the error surface here
+    return cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, *args, **kwargs)
+
+
+def reads_far_past_its_pool(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int,
+                            rope: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, *args: Any,
+                            **kwargs: Any) -> Any:
+    """When a sequence is longer than CRASH_SEQ_LEN tokens, a Triton kernel loads 2**40 elements past the cache
+    with no mask: an illegal memory access."""
+    if int(seq_lens.max()) > CRASH_SEQ_LEN:
+        _read_at(kv_cache, 1 << 40)
+    return cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, *args, **kwargs)
+
+
+def _read_at(tensor: torch.Tensor, offset: int) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_one(src, dst, offset):
+        tl.store(dst, tl.load(src + offset))  # no mask, no bounds check
+
+    dst = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
+    read_one[(1,)](tensor, dst, offset)
+    torch.cuda.synchronize(tensor.device)
+
+
 for kernel in (segfaults_on_big_batches, aborts_on_long_sequences, hangs_in_native_code_on_big_batches,
                cuda_error_on_big_batches):
     kernel.mla_verify_envelope = SMALL_ENVELOPE  # type: ignore[attr-defined]
+for kernel in (gathers_past_its_pool, reads_far_past_its_pool):
+    kernel.mla_verify_envelope = {**SMALL_ENVELOPE, "devices": ["cuda"]}  # type: ignore[attr-defined]

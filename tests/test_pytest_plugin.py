@@ -34,7 +34,8 @@ def test_options(mla_options):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB", "SHARDS", "FIXTURES_DIR"):
+    for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB", "SHARDS", "FIXTURES_DIR",
+                 "ISOLATE"):
         monkeypatch.delenv(f"MLA_VERIFY_{name}", raising=False)
     monkeypatch.delenv(FAKE_GPU_ENV, raising=False)
     return monkeypatch

@@ -1,0 +1,69 @@
+"""A GPU kernel that faults on some inputs only gets a verdict (docs/judging.md, "A crash"): isolated, the
+search shrinks the fault to the smallest input that makes it, and its reproducer faults again on replay; in
+process, the CUDA error is a crash of the running case, exit 1, never "internal error".
+
+The kernels (tests/crashing_kernels.py) are correct up to CRASH_SEQ_LEN tokens and read past their cache pool
+beyond it: through torch's indexing (a device-side assert) and through a Triton kernel (an illegal memory
+access). Each run is a subprocess: a faulted CUDA context is unusable for the rest of its process. About 2 min
+on an H200, most of it process start-up.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from crashing_kernels import CRASH_SEQ_LEN
+
+pytestmark = pytest.mark.gpu
+
+TESTS = Path(__file__).resolve().parents[1]
+PYTHONPATH = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+FAULTS = {"gathers_past_its_pool": "CUDA error: device-side assert triggered",
+          "reads_far_past_its_pool": "CUDA error: an illegal memory access was encountered"}
+
+
+def mla_verify(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mla_verify.cli", *argv], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH}, cwd=cwd, timeout=600)
+
+
+def needs(kernel: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the kernel's fault is a CUDA error")
+    if kernel == "reads_far_past_its_pool":
+        pytest.importorskip("triton", reason="the illegal access is a Triton kernel's")
+
+
+@pytest.mark.parametrize("kernel", list(FAULTS))
+def test_an_isolated_gpu_fault_is_shrunk_and_replays(tmp_path, kernel):
+    needs(kernel)
+    done = mla_verify("check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cuda", "--isolate",
+                      "--fixtures-dir", "fx", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"the kernel crashed: {FAULTS[kernel]}" in done.stdout, done.stdout
+    assert "internal error" not in done.stderr
+    found = re.search(r"reproducer: (\S+\.json)", done.stdout)
+    assert found, done.stdout
+    minimal = re.search(r"minimal case: B=(\d+) H=(\d+) q_len=(\d+) .* seq_lens=\[([\d, ]+)\]", done.stdout)
+    assert minimal, done.stdout
+    # the smallest input that faults: one request of CRASH_SEQ_LEN + 1 tokens, one head, one query token
+    assert minimal.groups() == ("1", "1", "1", str(CRASH_SEQ_LEN + 1)), minimal.group(0)
+    again = mla_verify("replay", found.group(1), cwd=tmp_path)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert f"crashed again (same signal/error): {FAULTS[kernel]}" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("kernel", list(FAULTS))
+def test_an_in_process_gpu_fault_is_a_crash_of_its_case(tmp_path, kernel):
+    needs(kernel)
+    done = mla_verify("check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cuda", "--no-isolate",
+                      "--fixtures-dir", "fx", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"the kernel crashed: {FAULTS[kernel]}" in done.stdout, done.stdout
+    assert "internal error" not in done.stderr
+    assert re.search(r"reproducer: (\S+\.json)", done.stdout), done.stdout
