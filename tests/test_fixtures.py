@@ -98,10 +98,10 @@ def test_tensors_without_json(tmp_path):
 def test_crash_before_json_leaves_a_detectable_half_pair(tmp_path, monkeypatch):
     real = fixtures._atomic_write
 
-    def crash_on_json(p, data, durable=True):
+    def crash_on_json(p, data):
         if p.suffix == ".json":
             raise OSError("disk full")
-        real(p, data, durable)
+        real(p, data)
 
     monkeypatch.setattr(fixtures, "_atomic_write", crash_on_json)
     with pytest.raises(OSError):
@@ -109,6 +109,18 @@ def test_crash_before_json_leaves_a_detectable_half_pair(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["case.safetensors"]
     _refused(tmp_path / "case", "half-written")
+
+
+def test_a_case_record_written_over_in_place_holds_the_last_case_alone(tmp_path):
+    # the case in flight is rewritten for every case, in place: a shorter record must not keep the tail of
+    # the longer one before it
+    long_meta = {"backend": "peer", "layout": LAYOUT.to_json(), "reason": "x" * 500}
+    fixtures.write_case_record(tmp_path, "in-flight", SPECS["fp8"], torch.device("cpu"), long_meta, durable=False)
+    path = fixtures.write_case_record(tmp_path, "in-flight", SPECS["bf16"], torch.device("cpu"),
+                                      {"backend": "peer", "layout": LAYOUT.to_json()}, durable=False)
+    fx = load_fixture(path)
+    assert fx.spec == SPECS["bf16"] and "reason" not in fx.meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in-flight.json"]  # no temporary file left
 
 
 def test_truncated_tensors(tmp_path):

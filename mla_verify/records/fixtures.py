@@ -14,6 +14,7 @@ fixtures (every one holding its problem's tensors, e.g. fixtures/golden) load as
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -165,15 +166,14 @@ def _json_bytes(record: dict[str, Any]) -> bytes:
     return (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
 
 
-def _write(directory: Path, fixture_id: str, blob: bytes | None, record: dict[str, Any],
-           durable: bool = True) -> Path:
+def _write(directory: Path, fixture_id: str, blob: bytes | None, record: dict[str, Any]) -> Path:
     tensors_path, json_path = fixture_paths(directory / fixture_id)
     os.makedirs(directory, exist_ok=True)
     if blob is not None:
         _atomic_write(tensors_path, blob)
     elif tensors_path.exists():  # a stale pair from an earlier run must not pass for this fixture's tensors
         tensors_path.unlink()
-    _atomic_write(json_path, _json_bytes(record), durable)
+    _atomic_write(json_path, _json_bytes(record))
     return json_path
 
 
@@ -205,14 +205,18 @@ def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: Probl
                       meta: dict[str, Any], durable: bool = True) -> Path:
     """A case as a JSON-only fixture that its spec rebuilds, written without building its problem: the
     reproducer of a kernel that crashed (its device may be unusable), or the record of the case about to run
-    (``durable=False``: not synced to disk, which a crash of the process does not need; it costs no time per
-    case)."""
+    (``durable=False``: written over in place, _overwrite)."""
     record = {**meta, "spec": spec.to_json(), "format": FORMAT, "format_version": FORMAT_VERSION,
               "source_device": str(device),
               **({"torch_threads": torch.get_num_threads()} if device.type == "cpu" else {}),
               "versions": library_versions(), "problem_stored": False, "problem_tensors": None,
               "tensors_file": None, "tensors_sha256": None, "tensors": {}}
-    return _write(Path(directory), fixture_id, None, record, durable)
+    if durable:
+        return _write(Path(directory), fixture_id, None, record)
+    os.makedirs(directory, exist_ok=True)
+    path = fixture_paths(Path(directory) / fixture_id)[1]
+    _overwrite(path, _json_bytes(record))
+    return path
 
 
 def _rebuilds(spec: ProblemSpec, problem: DecodeProblem) -> bool:
@@ -339,12 +343,18 @@ def check_writable_dir(directory: Path, what: str) -> None:
 
 
 def library_versions() -> dict[str, str | None]:
-    """Versions that can change a verdict: recorded in every fixture."""
+    """Versions that can change a verdict: recorded in every fixture (looked up once a process: the record of
+    each case in flight has them too)."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> tuple[tuple[str, str | None], ...]:
     from ..core.platform import VERSION as __version__
     from ..core.platform import flashinfer_version
 
-    return {"python": python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "flashinfer": flashinfer_version(), "mla_verify": __version__}
+    return (("python", python_version()), ("torch", torch.__version__), ("cuda", torch.version.cuda),
+            ("flashinfer", flashinfer_version()), ("mla_verify", __version__))
 
 
 def _read_meta(json_path: Path, tensors_path: Path) -> dict[str, Any]:
@@ -397,15 +407,24 @@ def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], recorded: Any) 
             raise FixtureError(f"{path}: tensor {name!r} does not match its recorded dtype/shape/sha256: refused")
 
 
-def _atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
+def _overwrite(path: Path, data: bytes) -> None:
+    """``data`` written over ``path`` in place, then cut to its length: neither renamed, nor synced, nor
+    truncated to zero first, each of which makes ext4 flush the file (milliseconds per case in flight,
+    against microseconds). The record is whole before the kernel is called, and a crash of the process
+    loses nothing already written; only a crash of the machine could leave it partial."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o666), "wb") as f:  # an fd: open() would truncate it
+        f.write(data)
+        f.truncate()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, unlike mkstemp's 0600
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
