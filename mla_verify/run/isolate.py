@@ -14,12 +14,16 @@ shared memory, so the parent knows it after a death.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import os
 import signal
+import sys
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -114,13 +118,14 @@ class Isolated:
 
     def _start(self) -> None:
         conn, child = self._mp.Pipe()
-        self._worker = self._mp.Process(
+        worker = self._mp.Process(
             target=_serve, name=f"mla-verify worker ({self.backend.name})", daemon=True,
             args=(child, self.backend.name, self.backend.source, str(self.device), torch.get_num_threads(),
                   watchdog.grace_seconds(), self._stage))
-        self._worker.start()
+        with _this_package_first():
+            worker.start()
         child.close()
-        self._conn = conn
+        self._worker, self._conn = worker, conn
         reply = self._receive()
         if reply is None:
             raise UsageError(f"{self.backend.name}: the isolated worker died while loading the backend "
@@ -170,6 +175,27 @@ class Isolated:
         if self._conn is not None:
             self._conn.close()
         self._worker = self._conn = None
+
+
+@contextlib.contextmanager
+def _this_package_first() -> Iterator[None]:
+    """The folder holding this mla_verify first on the path while a worker starts, so that it imports this
+    installation and not another one: a worker takes the parent's sys.path, where a relative entry (the
+    current directory, which may have changed since) could find another first, and the fork server, started
+    with the first worker, imports from PYTHONPATH and its own current directory (Python 3.11 ignores the
+    sys.path it is given)."""
+    root = str(Path(__file__).resolve().parents[2])
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, saved] if saved else [root])
+    sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        sys.path.remove(root)
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | None, isolate: bool) -> CaseJudge:
