@@ -23,6 +23,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
+from multiprocessing.sharedctypes import RawValue
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,7 +82,10 @@ class Isolated:
         self._mp: Any = multiprocessing.get_context(method)
         if method == "forkserver":  # imported once in the fork server, not in every worker
             self._mp.set_forkserver_preload(["torch", __name__])
-        self._stage = self._mp.RawValue("i", -1)  # index into STAGES of the running case's stage
+        # index into STAGES of the running case's stage. RawValue is imported with this module, not on first use:
+        # pytester, which takes back the modules a run imported, would then leave two copies of
+        # multiprocessing.heap, and a RawValue of one does not pickle for a worker of the next run
+        self._stage = RawValue("i", -1)
         self._worker: Any = None
         self._conn: Connection | None = None
         self.deaths = 0
