@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,8 @@ def reproducer(out: str) -> Path:
     return Path(found.group(1))
 
 
-def replay(capsys, path: Path) -> tuple[int, str]:
-    code = main(["replay", str(path)])
+def replay(capsys, path: Path, *argv: str) -> tuple[int, str]:
+    code = main(["replay", str(path), *argv])
     return code, capsys.readouterr().out
 
 
@@ -78,18 +79,39 @@ def test_a_kernel_stuck_in_native_code_is_a_crash_of_its_case_and_the_search_goe
     assert "did not return within 0.3 s and could not be interrupted (stuck in native code)" in out
     fx = load_fixture(reproducer(out))
     assert fx.spec is not None and list(fx.spec.seq_lens) == [1] * CRASH_BATCH
+    code, out = replay(capsys, fx.json_path, "--case-timeout", "0.3")  # the worker takes the grace too
+    assert code == 1, out
+    assert "crashed again (same signal/error): did not return within 0.3 s" in out
 
 
-def test_isolation_gives_the_same_cases_and_verdicts(capsys, tmp_path):
+@pytest.mark.parametrize("kernel, exit_code, verdicts", [
+    ("good", 0, {"pass", "skip"}),  # a correct kernel: every premerge case (a corner case is outside its envelope)
+    ("wrong_scale", 1, {"pass", "fail"}),  # a faulty one: the search and its shrinking too
+])
+def test_isolation_gives_the_same_cases_and_verdicts(capsys, tmp_path, kernel, exit_code, verdicts):
     reports = []
     for isolate in ("--isolate", "--no-isolate"):
-        code = main(["check", "--kernel", "cli_kernels:wrong_scale", "--device", "cpu", isolate, "--fixtures-dir",
+        code = main(["check", "--kernel", f"cli_kernels:{kernel}", "--device", "cpu", isolate, "--fixtures-dir",
                      str(tmp_path / "fx"), "--report", str(tmp_path / f"{isolate}.json")])
-        assert code == 1, capsys.readouterr()
+        assert code == exit_code, capsys.readouterr()
         cases = json.loads((tmp_path / f"{isolate}.json").read_text())["cases"]
-        reports.append([(c["id"], c["verdict"], c["reason"]) for c in cases])
-    assert reports[0] == reports[1]
-    assert {"pass", "fail"} <= {verdict for _, verdict, _ in reports[0]}  # both verdicts compared
+        reports.append([{k: v for k, v in c.items() if k not in ("seconds", "stages")} for c in cases])  # timings
+    assert reports[0] == reports[1]  # every field: the ids, verdicts, errors (the same bits), diagnoses...
+    assert {c["verdict"] for c in reports[0]} == verdicts
+
+
+def test_an_isolated_worker_imports_this_checkout_when_run_from_inside_another(tmp_path):
+    # the command as installed, run from inside another checkout of mla_verify (here one that cannot be
+    # imported): the fork server starts there, with the current directory first on its path
+    (tmp_path / "mla_verify").mkdir()
+    (tmp_path / "mla_verify" / "__init__.py").write_text('raise ImportError("the other checkout")\n')
+    command = Path(sysconfig.get_path("scripts")) / "mla-verify"
+    done = subprocess.run([str(command), "check", "--kernel", "cli_kernels:good", "--device", "cpu", "--isolate",
+                           "--profile", "dev", "--max-examples", "2", "--fixtures-dir", "fx"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)}, cwd=tmp_path,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cli_kernels:good: PASS -- 2 distinct cases" in done.stdout
 
 
 def test_a_crash_that_takes_the_process_leaves_the_case_in_flight(capsys, tmp_path):
@@ -121,16 +143,33 @@ def test_a_cuda_error_is_a_crash_of_the_running_case(capsys, tmp_path, isolate):
         assert re.search(r"\(\d+ passed, 1 failed", out), out
 
 
-def test_pytest_mla_kernel_reports_a_crash_with_its_reproducer(tmp_path):
-    # under xdist: the crash is the isolated worker's, not the xdist worker's
+def pytest_mla_kernel(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """pytest under xdist, verifying the segfaulting kernel with its reproducers in tmp_path/fx."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
                            "--mla-device", "cpu", "--mla-kernel", "crashing_kernels:segfaults_on_big_batches",
-                           "--mla-fixtures-dir", "fx"], capture_output=True, text=True,
+                           "--mla-fixtures-dir", "fx", *argv], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": PYTHONPATH}, cwd=tmp_path, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
+    return done
+
+
+def test_pytest_mla_kernel_reports_a_crash_with_its_reproducer(tmp_path):
+    done = pytest_mla_kernel(tmp_path)  # isolated by default: the crash is the isolated worker's
     assert "the kernel crashed: killed by SIGSEGV" in done.stdout
     assert "crashed while running" not in done.stdout  # xdist's words for a worker it lost
-    assert load_fixture(tmp_path / reproducer(done.stdout)).meta["crash"].startswith("killed by SIGSEGV")
+    fx = load_fixture(tmp_path / reproducer(done.stdout))
+    assert fx.meta["crash"].startswith("killed by SIGSEGV")
+    assert fx.spec is not None and list(fx.spec.seq_lens) == [1] * CRASH_BATCH  # shrunk
+
+
+def test_pytest_without_isolation_leaves_the_case_that_crashed_its_xdist_worker(capsys, tmp_path):
+    done = pytest_mla_kernel(tmp_path, "--mla-isolate", "off")
+    assert "crashed while running" in done.stdout  # the segfault took the xdist worker
+    fx = load_fixture(tmp_path / "fx" / "in-flight-gw0.json")  # named by the worker xdist names
+    assert fx.spec is not None and fx.spec.batch >= CRASH_BATCH
+    code, out = replay(capsys, fx.json_path)
+    assert code == 1, out
+    assert "crashed again: killed by SIGSEGV" in out
 
 
 @pytest.mark.parametrize("exc, fault", [

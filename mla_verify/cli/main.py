@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run the case in a worker process, so that a crash is a verdict (default: on when "
                         "its spec rebuilds the problem; --no-isolate to run it under a debugger)")
+    replay.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
+                        help="a kernel call that runs longer fails the case as hung (default: %(default)g s)")
     replay.set_defaults(func=cmd_replay)
 
     report = sub.add_parser("report", help="re-render the Markdown/HTML/JUnit/SVG of a JSON report")
@@ -308,9 +310,11 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
     from ..records.fixtures import load_fixture
+    from ..run import watchdog
     from ..run.isolate import InProcess, Isolated
     from .sparse import replay_sparse, sparse_fixture
 
+    watchdog.grace_seconds()  # a malformed grace is a usage error now, not when the kernel hangs
     if (sparse := sparse_fixture(ns.fixture)) is not None:
         failed = replay_sparse(sparse, ns.fixture, ns.backend, ns.kernel, ns.device)
         return EXIT_DISCREPANCY if failed else EXIT_OK
@@ -347,8 +351,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     problem, exact = fx.problem_on(device)
     if fx.problem is None:
         print(f"  problem: {_rebuilt(exact, fx.meta)}")
-    judge = Isolated(backend, device, None, keep_output=True) if isolate \
-        else InProcess(backend, device, None, problem)
+    judge = Isolated(backend, device, ns.case_timeout, keep_output=True) if isolate \
+        else InProcess(backend, device, ns.case_timeout, problem)
     try:
         result = judge(fx.spec, fx.layout, transform, True)
     finally:
