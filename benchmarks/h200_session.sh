@@ -11,7 +11,10 @@
 # + agreement), fuzz (FUZZ_BACKENDS side by side, FUZZ_MINUTES each), premerge (the gate on PREMERGE_BACKENDS),
 # parallel (gputests, probe and fuzz at once), final (fuzz, gputests and premerge at once, GPU memory sampled
 # each second), flashmla (issue 29's gate: premerge of flashmla and its GPU tests, only once doctor names the
-# sgl-flash-mla wheel). FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests.
+# sgl-flash-mla wheel), isolation (the cost of check --isolate: benchmarks/isolation_cost.sh, after warm).
+# FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests. fuzz and
+# premerge run isolated (check's default on CUDA); the crash tests alone:
+# GPU_TESTS=tests/gpu/test_crash_gpu.py ... gputests.
 set -uo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 R=${OUT:-/tmp/mla-out}/r
@@ -114,6 +117,8 @@ for phase in "$@"; do
     premerge)
       $MV check $(printf -- "--backend %s " ${PREMERGE_BACKENDS:-fa3 fa2}) --device cuda --profile premerge \
         --report "$R/premerge_gpu.json" --fixtures-dir "$REG" 2>&1 | tee "$R/premerge_gpu.log" ;;
+    isolation)  # warm fuzz with and without a worker process per case, alternated twice (~4 x FUZZ_MINUTES)
+      MINUTES=${FUZZ_MINUTES:-1} bash benchmarks/isolation_cost.sh 2>&1 | tee "$R/isolation.log" ;;
     *) log "unknown phase $phase" ;;
   esac
 done
