@@ -39,18 +39,24 @@ def needs(kernel: str) -> None:
         pytest.importorskip("triton", reason="the illegal access is a Triton kernel's")
 
 
-@pytest.mark.parametrize("kernel", list(FAULTS))
-def test_an_isolated_gpu_fault_is_shrunk_and_replays(tmp_path, kernel):
+def check_crashes(tmp_path: Path, kernel: str, isolate: str) -> str:
+    """``check`` of a faulting kernel: exit 1, the fault named as a crash, never "internal error"; its stdout."""
     needs(kernel)
-    done = mla_verify("check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cuda", "--isolate",
+    done = mla_verify("check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cuda", isolate,
                       "--fixtures-dir", "fx", cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"the kernel crashed: {FAULTS[kernel]}" in done.stdout, done.stdout
     assert "internal error" not in done.stderr
-    found = re.search(r"reproducer: (\S+\.json)", done.stdout)
-    assert found, done.stdout
-    minimal = re.search(r"minimal case: B=(\d+) H=(\d+) q_len=(\d+) .* seq_lens=\[([\d, ]+)\]", done.stdout)
-    assert minimal, done.stdout
+    return done.stdout
+
+
+@pytest.mark.parametrize("kernel", list(FAULTS))
+def test_an_isolated_gpu_fault_is_shrunk_and_replays(tmp_path, kernel):
+    out = check_crashes(tmp_path, kernel, "--isolate")
+    found = re.search(r"reproducer: (\S+\.json)", out)
+    assert found, out
+    minimal = re.search(r"minimal case: B=(\d+) H=(\d+) q_len=(\d+) .* seq_lens=\[([\d, ]+)\]", out)
+    assert minimal, out
     # the smallest input that faults: one request of CRASH_SEQ_LEN + 1 tokens, one head, one query token
     assert minimal.groups() == ("1", "1", "1", str(CRASH_SEQ_LEN + 1)), minimal.group(0)
     again = mla_verify("replay", found.group(1), cwd=tmp_path)
@@ -60,10 +66,5 @@ def test_an_isolated_gpu_fault_is_shrunk_and_replays(tmp_path, kernel):
 
 @pytest.mark.parametrize("kernel", list(FAULTS))
 def test_an_in_process_gpu_fault_is_a_crash_of_its_case(tmp_path, kernel):
-    needs(kernel)
-    done = mla_verify("check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cuda", "--no-isolate",
-                      "--fixtures-dir", "fx", cwd=tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert f"the kernel crashed: {FAULTS[kernel]}" in done.stdout, done.stdout
-    assert "internal error" not in done.stderr
-    assert re.search(r"reproducer: (\S+\.json)", done.stdout), done.stdout
+    out = check_crashes(tmp_path, kernel, "--no-isolate")
+    assert re.search(r"reproducer: (\S+\.json)", out), out
