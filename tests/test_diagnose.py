@@ -11,7 +11,7 @@ from mla_verify.judge.diagnose import CATALOG, LSE_BASES, diagnose, relative_err
 from mla_verify.kernels.mutants import MUTANTS, correct_kernel
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.reference import reference_decode
-from mla_verify.run.harness import CaseResult, run_case
+from mla_verify.run.harness import CaseResult, kernel_rerun, run_case
 
 CATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is not None)
 UNCATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is None)
@@ -28,7 +28,8 @@ def test_diagnosis_names_the_mutants_fault(name: str) -> None:
     assert m.diagnosis in CATALOG or m.diagnosis in LSE_BASES
     result = _run(name)
     assert result.verdict == "fail" and result.out is not None, result.reason
-    found = diagnose(result.problem, result.out, result.lse)
+    found = diagnose(result.problem, result.out, result.lse,
+                     rerun=kernel_rerun(TrtllmStyleBackend(name, m.fn), m.trigger_layout))
     names = [e.name for e in found]
     assert m.diagnosis in names, f"{name}: expected {m.diagnosis}, got {names}"
     mine = found[names.index(m.diagnosis)]
@@ -82,4 +83,6 @@ def test_misread_length_shorter_than_q_len_is_still_explained() -> None:
     result = run_case(TrtllmStyleBackend("length_minus_1", MUTANTS["length_minus_1"].fn), spec,
                       MUTANTS["length_minus_1"].trigger_layout, "cpu", diagnose=False)
     assert result.verdict == "fail" and bool(result.out.isnan().any())
-    assert "length_minus_1" in [e.name for e in diagnose(result.problem, result.out, result.lse)]
+    rerun = kernel_rerun(TrtllmStyleBackend("length_minus_1", MUTANTS["length_minus_1"].fn),
+                         MUTANTS["length_minus_1"].trigger_layout)
+    assert "length_minus_1" in [e.name for e in diagnose(result.problem, result.out, result.lse, rerun=rerun)]

@@ -1,11 +1,13 @@
 """When a recomputed output explains a kernel's: the bar that diagnose.py (known misreadings) and localize.py
-(masked references, the rows that are wrong) both hold a recomputation to, and how their lines start.
+(masked references, the rows that are wrong) both hold a recomputation to, how their lines start, and the
+problem with finite values in its NaN-poisoned cache slots that both re-run the kernel on.
 
 A recomputation explains the kernel's output when its relative L2 error against it is below ``OUT_TOL`` and
 at least ``TRUTH_MARGIN`` times below that of the correct reference. Import rule: problem.py and torch only.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -21,6 +23,7 @@ OUT_TOL = {"fp8": 1.2e-1, "other": 2e-2}
 # explanation beats the truth by 4x; one that computes a wrong formula is close to that formula alone.
 TRUTH_MARGIN = 4.0
 WHERE = "where: "  # the start of every localization line (localize.py), as against an explanation
+Rerun = Callable[[DecodeProblem], "torch.Tensor | None"]  # the kernel's canonical out on another problem
 
 
 def exact_bf16(problem: DecodeProblem) -> DecodeProblem:
@@ -29,3 +32,14 @@ def exact_bf16(problem: DecodeProblem) -> DecodeProblem:
     if problem.query.dtype != FP8 and problem.kv_cache.dtype != FP8:
         return problem
     return replace(problem, query=problem.query.to(torch.bfloat16), kv_cache=problem.kv_cache.to(torch.bfloat16))
+
+
+def finite_poison(p: DecodeProblem) -> DecodeProblem | None:
+    """``p`` with a finite value (drawn like the cache's own) in every cache slot that holds NaN; None if none."""
+    wide = exact_bf16(p).kv_cache
+    holes = torch.isnan(wide)
+    if not bool(holes.any()):
+        return None
+    gen = torch.Generator(device=wide.device).manual_seed(0)
+    fill = torch.randn(wide.shape, generator=gen, device=wide.device, dtype=torch.float32).to(wide.dtype)
+    return replace(p, kv_cache=torch.where(holes, fill, wide).to(p.kv_cache.dtype))

@@ -22,8 +22,7 @@ Three questions, each answered by the simplest rule that fits:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +30,7 @@ from ..problems.generate import dtype_name
 from ..problems.problem import DecodeProblem
 from ..problems.reference import ReferenceResult, reference_decode
 from .compare import FACTOR, baseline_result, judged_rows, lse_allowed, lse_slack
-from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, exact_bf16
+from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, Rerun, exact_bf16, finite_poison
 
 # A row of a correct bf16 kernel is off by its output rounding (at most 2^-9 relative per element) plus its
 # accumulation order; 2^-8 keeps rows whose baseline error is ~0 (one token, exact values) from counting as
@@ -44,7 +43,6 @@ MAX_CHUNKS = 4096  # chunks per re-run row: positions are resolved one by one in
 MAX_ROWS = 3  # wrong (batch entry, query token) rows the key search re-runs
 MAX_HEADS = 2  # wrong heads of each
 LISTED = 6  # entries named before "... and N more"
-Rerun = Callable[[DecodeProblem], "torch.Tensor | None"]  # the kernel's canonical out on another problem
 
 
 def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, lse: torch.Tensor | None = None,
@@ -383,17 +381,6 @@ def _nonfinite(p: DecodeProblem, out: torch.Tensor, rerun: Rerun | None) -> list
         lines.append(WHERE + f"NaN in {_region(wide, nan_rows) or _listing(nan_rows)}: "
                      + _nan_cause(p, rerun, nan_rows))
     return lines
-
-
-def finite_poison(p: DecodeProblem) -> DecodeProblem | None:
-    """``p`` with a finite value (drawn like the cache's own) in every cache slot that holds NaN; None if none."""
-    wide = exact_bf16(p).kv_cache
-    holes = torch.isnan(wide)
-    if not bool(holes.any()):
-        return None
-    gen = torch.Generator(device=wide.device).manual_seed(0)
-    fill = torch.randn(wide.shape, generator=gen, device=wide.device, dtype=torch.float32).to(wide.dtype)
-    return replace(p, kv_cache=torch.where(holes, fill, wide).to(p.kv_cache.dtype))
 
 
 def _nan_cause(p: DecodeProblem, rerun: Rerun | None, nan_rows: torch.Tensor) -> str:

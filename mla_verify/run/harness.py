@@ -39,6 +39,7 @@ from ..core.memory import device_fault, is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats, baseline_result, compare
 from ..judge.diagnose import diagnose_safely
+from ..judge.explains import Rerun
 from ..problems import metamorphic
 from ..problems.generate import ProblemSpec, build_problem
 from ..problems.layouts import LayoutSpec
@@ -219,15 +220,15 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
         if diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
             with stage("diagnose"):
                 result.diagnosis = diagnose_safely(problem, result.out, result.lse, backend.envelope.lse_base, ref,
-                                                   rerun=lambda moved: _rerun(backend, moved, layout, limit))
+                                                   rerun=kernel_rerun(backend, layout, limit))
 
 
 @dataclass
 class _Limit:
-    """The time limit of each kernel call of one case, and where a timeout is recorded."""
+    """The time limit of each kernel call of one case, and where a timeout is recorded (None: nowhere)."""
 
     seconds: float | None
-    result: CaseResult
+    result: CaseResult | None
 
 
 def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
@@ -253,10 +254,11 @@ def _call(prepared: PreparedCall, problem: DecodeProblem, failures: list[str], l
 def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict[str, torch.Tensor],
                   failures: list[str], limit: _Limit) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     try:
-        with time_limit(limit.seconds, limit.result.describe()):
+        with time_limit(limit.seconds, "" if limit.result is None else limit.result.describe()):
             raw = _invoke(prepared, problem.out_shape, problem.device)
     except KernelTimeout as exc:
-        limit.result.hung = True
+        if limit.result is not None:
+            limit.result.hung = True
         failures.append(f"the kernel {exc} (a kernel that does not return is a bug)")
         return None
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
@@ -346,10 +348,14 @@ def judge_reference(problem: DecodeProblem) -> ReferenceResult:
     return reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem))
 
 
-def _rerun(backend: Backend, problem: DecodeProblem, layout: LayoutSpec, limit: _Limit) -> torch.Tensor | None:
+def kernel_rerun(backend: Backend, layout: LayoutSpec, limit: _Limit | None = None) -> Rerun:
     """The kernel's output on another problem (diagnosis re-runs it), laid out as before but with contiguous
     pages -- the NaN between strided pages must not stand in for the poison the re-run replaced -- and under
-    the case's time limit (a timeout here is no verdict: the case has failed already)."""
-    prepared = _prepare(backend, problem, replace(layout, page_stride_pad=0), [])
-    run = None if prepared is None else _call(prepared, problem, [], _Limit(limit.seconds, replace(limit.result)))
-    return None if run is None else run[0]
+    the case's time limit (a timeout here is no verdict: the case has failed already; none without ``limit``)."""
+    def rerun(problem: DecodeProblem) -> torch.Tensor | None:
+        prepared = _prepare(backend, problem, replace(layout, page_stride_pad=0), [])
+        call_limit = _Limit(None, None) if limit is None or limit.result is None else \
+            _Limit(limit.seconds, replace(limit.result))
+        run = None if prepared is None else _call(prepared, problem, [], call_limit)
+        return None if run is None else run[0]
+    return rerun
