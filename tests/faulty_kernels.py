@@ -84,3 +84,46 @@ def empty_split_nan(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any,
 upper_heads_rescaled.mla_verify_envelope = {**_SMALL, "heads": [72, 128], "max_seq_len": 96}
 splits_capped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 400}
 empty_split_nan.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 200}
+
+
+# Kernels whose minimal output can be all NaN, or whose wrong rows are other rows' answers: the diagnosis must
+# name no misreading it cannot confirm (test_diagnose_nan.py).
+def next_page_read(*args: Any, **kwargs: Any) -> Any:
+    """Skips a real page: reads the physical page after the one the block table names (wrapping)."""
+    args = list(args)
+    args[6] = (args[6] + 1) % canonical_cache(args[1]).shape[0]
+    return cpu_peer_decode(*args, **kwargs)
+
+
+def page_stride_ignored(query: torch.Tensor, kv_cache: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Ignores the page stride of a strided pool: addresses page p at p * page_size rows, as if contiguous."""
+    packed = torch.empty(kv_cache.shape, device="meta").stride()
+    return cpu_peer_decode(query, kv_cache.as_strided(kv_cache.shape, packed, kv_cache.storage_offset()), *args,
+                           **kwargs)
+
+
+def aligned_last_page_dropped(*args: Any, **kwargs: Any) -> Any:
+    """Counts the last page's tokens as seq_len % page_size, so a page-aligned sequence drops its last page."""
+    args = list(args)
+    page, lens = canonical_cache(args[1]).shape[1], args[7]
+    args[7] = torch.where(lens % page == 0, lens - page, lens)
+    return cpu_peer_decode(*args, **kwargs)
+
+
+def batch_entries_swapped(*args: Any, out: torch.Tensor | None = None, return_lse: bool = False,
+                          **kwargs: Any) -> Any:
+    """Writes batch entry 0's result to entry 1 and entry 1's to entry 0."""
+    result, lse = cpu_peer_decode(*args, return_lse=True, **kwargs)
+    order = torch.arange(result.shape[0])
+    order[:2] = order[:2].flip(0)
+    result, lse = result[order], lse.view(result.shape[0], -1)[order].view(lse.shape)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result
+
+
+next_page_read.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}
+page_stride_ignored.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96, "page_strided": True}
+aligned_last_page_dropped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}
+batch_entries_swapped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}

@@ -275,6 +275,16 @@ def explained(lines: list[str]) -> bool:
     return any(not line.startswith((WHERE, FAILED, SKIPPED, CANDIDATES)) for line in lines)
 
 
+def says_more(lines: list[str], than: list[str]) -> bool:
+    """Whether diagnosis ``lines`` tell more than ``than``: a misreading named beats none; a key rule that
+    matches, and a rule naming the wrong rows by a property (seq_len, position), beat their absence."""
+    def weight(ds: list[str]) -> int:
+        return (4 * explained(ds) + 2 * any("keys: " in d and " matches out " in d for d in ds)
+                + any(" swapped" in d or " holds " in d or "batch entries with" in d or "query tokens at positions" in d
+                      for d in ds))
+    return weight(lines) > weight(than)
+
+
 def _nan_beyond(out: torch.Tensor, truth: ReferenceResult) -> bool:
     """Whether ``out`` is non-finite in a judged element where the reference is finite."""
     got, want = judged_rows(out, truth), judged_rows(truth.out, truth)

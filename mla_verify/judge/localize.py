@@ -1,6 +1,6 @@
 """Where a wrong output is wrong, for a failure no catalogued misreading (diagnose.py) explains.
 
-Three questions, each answered by the simplest rule that fits:
+Four questions, each answered by the simplest rule that fits:
 
 1. Which output rows -- (batch entry, query token, head) -- are wrong, and which are right. A row is wrong
    when its relative L2 error is over ``FACTOR`` times the same-precision baseline's on that row (compare.py's
@@ -14,7 +14,10 @@ Three questions, each answered by the simplest rule that fits:
    by d, a sliding window's start off by d or the window ignored, one key (or one chunk) missing. A rule is
    reported when its masked reference matches the kernel as diagnose.py demands of a misreading (``OUT_TOL``,
    ``TRUTH_MARGIN``).
-3. Where non-finite values come from. +inf is what ``out`` was filled with before the call: elements never
+3. Whether the wrong rows hold other rows' right answers: batch entries, query tokens or heads permuted or
+   swapped (each wrong row within its tolerance of the reference of another row along one axis, one source
+   per index); the mapping is named and the key search skipped.
+4. Where non-finite values come from. +inf is what ``out`` was filled with before the call: elements never
    written. NaN is told apart by re-running the kernel with finite values in every cache slot that held NaN
    (the slots no sequence owns): NaN that vanish were read from those slots; NaN that stay are the kernel's
    own (exp(-inf - -inf) in a split whose keys are all masked, 0/0).
@@ -71,8 +74,11 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
         lines.append(WHERE + f"out is wrong in {_region_of(wide, wrong, padding) or _listing(wrong)}{rest} "
                      f"({int(wrong.sum())} of {rows} rows wrong)")
         lines += _nonfinite(problem, out, rerun)
+        mapping = _mapping(out, truth, wrong, allowed)
         finite_wrong = wrong & torch.isfinite(out).all(-1).to(wrong.device)
-        if bool(finite_wrong.any()):
+        if mapping is not None:  # each wrong row is another row's right answer: no key was misread
+            lines.append(mapping)
+        elif bool(finite_wrong.any()):
             lines.append(_key_rule(wide, out, truth, finite_wrong, dtype))
     if lse is not None and tuple(lse.shape) == tuple(truth.lse.shape):
         natural = lse.detach().to(torch.float64) * math.log(lse_base)
@@ -196,6 +202,53 @@ def _listing(mask: torch.Tensor) -> str:
     rows = mask.nonzero().tolist()
     shown = ", ".join("(batch {}, token {}, head {})".format(*r) for r in rows[:LISTED])
     return shown + (f" and {len(rows) - LISTED} more rows" if len(rows) > LISTED else "")
+
+
+# ---------------------------------------------------------------- 3. rows holding other rows' answers
+AXES = ("batch entry", "query token", "head")
+
+
+def _mapping(out: torch.Tensor, truth: ReferenceResult, wrong: torch.Tensor, allowed: torch.Tensor) -> str | None:
+    """The line naming how wrong rows hold other rows' right answers along one axis, or None when they do not
+    (every wrong row must match some other row of the reference, index i always holding the same j's)."""
+    o = out.detach().to(torch.float64)
+    r = truth.out.to(torch.float64).to(o.device)
+    idx = wrong.nonzero()
+    if idx.shape[0] == 0 or not bool(torch.isfinite(o[wrong]).all()):
+        return None
+    got = o[wrong]  # [N, L]
+    for axis, name in enumerate(AXES):
+        n = o.shape[axis]
+        if n < 2:
+            continue
+        sources = []
+        for j in range(n):  # the reference row j along this axis, for every wrong row
+            at = idx.clone()
+            at[:, axis] = j
+            want = r[at[:, 0], at[:, 1], at[:, 2]]
+            sources.append((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30))
+        err = torch.stack(sources, 1)  # [N, n]
+        best = err.argmin(1)
+        if not bool((err.gather(1, best[:, None])[:, 0] <= allowed[wrong].to(err.device)).all()):
+            continue
+        pairs: dict[int, int] = {}
+        for i, j in zip(idx[:, axis].tolist(), best.tolist()):
+            if pairs.setdefault(i, j) != j or i == j:
+                break
+        else:
+            return WHERE + f"rows hold other rows' right answers: {_map_text(name, pairs)}"
+    return None
+
+
+def _map_text(name: str, pairs: dict[int, int]) -> str:
+    """{0: 1, 1: 0} -> "batch entries 0 and 1 swapped"; else "batch entry 0 holds batch entry 2's, ..."."""
+    plural = {"batch entry": "batch entries", "query token": "query tokens", "head": "heads"}[name]
+    if all(pairs.get(j) == i for i, j in pairs.items()):
+        swaps = sorted({tuple(sorted(p)) for p in pairs.items()})
+        shown = "; ".join(f"{plural} {a} and {b} swapped" for a, b in swaps[:LISTED])
+        return shown + (f" and {len(swaps) - LISTED} more swaps" if len(swaps) > LISTED else "")
+    shown = ", ".join(f"{name} {i} holds {name} {j}'s" for i, j in sorted(pairs.items())[:LISTED])
+    return shown + (f" and {len(pairs) - LISTED} more" if len(pairs) > LISTED else "")
 
 
 # ---------------------------------------------------------------- 2. which keys
@@ -368,7 +421,7 @@ def _rule_text(rule: tuple, page: int, step: int) -> str:
     return f"KV positions {lo}-{hi - 1} are missing from each row{approx}"
 
 
-# ---------------------------------------------------------------- 3. non-finite values
+# ---------------------------------------------------------------- 4. non-finite values
 def _nonfinite(p: DecodeProblem, out: torch.Tensor, rerun: Rerun | None) -> list[str]:
     wide = exact_bf16(p)
     lines = []

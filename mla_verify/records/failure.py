@@ -70,7 +70,8 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
 
 
 def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None = None) -> list[str]:
-    """The FAIL block: the first failure, the case, every failure, the diagnosis, the reproducer (its size) and,
+    """The FAIL block: the first failure, the case, every failure, the diagnosis (and the first failing case's,
+    when it tells more), the reproducer (its size) and,
     when a reproducer was to be written into ``directory``, the folder reproducers go to."""
     from .fixtures import fixture_paths
 
@@ -79,6 +80,9 @@ def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None 
                                                       if case.metamorphic != "none" else "")]
     lines += [f"  - {f}" for f in case.failures]
     lines += [f"  diagnosis: {d}" for d in case.diagnosis]  # none: the kernel left no output to diagnose
+    if case.first_failing is not None and case.first_failing[2]:
+        lines.append(f"  first failing case (it tells more): {case.first_failing[0]}")
+        lines += [f"    diagnosis: {d}" for d in case.first_failing[1]]
     if fixture:
         size = sum(p.stat().st_size for p in fixture_paths(fixture) if p.exists())
         lines += [f"  reproducer: {fixture} ({size / 2**20:.2f} MiB)", f"  re-run: mla-verify replay {fixture}"]

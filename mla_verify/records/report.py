@@ -356,6 +356,9 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
         blocks.append(("h", 2, f"Failure: {b['name']}"))
         lines = [f"minimal case: {failure['case']}"] + [f"  - {f}" for f in failure.get("failures", [])]
         lines += [f"diagnosis: {d}" for d in failure.get("diagnosis", [])]  # none: no output to diagnose
+        first = failure.get("first_failing")
+        if first:  # both cases' diagnoses, always: the report is the whole record
+            lines += [f"first failing case: {first['case']}"] + [f"  diagnosis: {d}" for d in first["diagnosis"]]
         if failure.get("fixture"):
             lines += [f"reproducer: {failure['fixture']}", f"re-run: mla-verify replay {failure['fixture']}"]
         blocks.append(("pre", "\n".join(lines)))
@@ -482,7 +485,8 @@ def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dic
         failure = None
         if r.failure is not None:
             failure = {"id": r.failure.id, "case": r.failure.describe(), "failures": r.failure.failures,
-                       "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend)}
+                       "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend),
+                       "first_failing": r.failure.to_json()["first_failing"]}
         backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
                          "cases": len(distinct), "seconds": round(r.seconds, 3),
                          "timed_out": r.timed_out, "failure": failure,

@@ -29,7 +29,7 @@ from hypothesis.errors import Flaky
 from ..backends.base import Backend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
-from ..judge.diagnose import explained
+from ..judge.diagnose import explained, says_more
 from .harness import SKIP_MEMORY, CaseResult
 from .isolate import CaseJudge, case_judge
 from .simplify import simplify, size
@@ -169,9 +169,10 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     if hung is not None:
         result.failure = hung
     elif failing:
-        # the smallest failure seen: Hypothesis's minimal example (it replays that one last) is minimal in its
-        # own order, not always in size, and a corner case is not shrunk by Hypothesis at all
-        smallest = min(reversed(failing), key=lambda r: size(Case(r.spec, r.layout, r.metamorphic)))
+        # the smallest failure seen, with finite output where one has it (NaN hide what the kernel computed):
+        # Hypothesis's minimal example (it replays that one last) is minimal in its own order, not always in
+        # size, and a corner case is not shrunk by Hypothesis at all
+        smallest = min(reversed(failing), key=lambda r: (not _finite(r), size(Case(r.spec, r.layout, r.metamorphic))))
         result.failure = smallest
         try:
             if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
@@ -180,6 +181,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
                 result.failure = _replayed(smallest, judge)
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
+    if result.failure is not None and failing and not result.interrupted:
+        result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge)
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
@@ -235,18 +238,34 @@ def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
     last = failure
 
     def fails(case: Case) -> bool:
+        """Fails, and keeps a finite output once the case has one (a smaller all-NaN case explains less)."""
         nonlocal last
         clock.check()
         r = record(case)
-        if r.verdict == "fail":
+        kept = r.verdict == "fail" and (_finite(r) or not _finite(last))
+        if kept:
             last = r
-        return r.verdict == "fail"
+        return kept
 
     try:
         simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
     except _Stop:
         pass
     return last
+
+
+def _finite(r: CaseResult) -> bool:
+    return r.out is not None and bool(torch.isfinite(r.out).all())
+
+
+def _first_failing(first: CaseResult, minimal: CaseResult, judge: CaseJudge) -> tuple[str, list[str], bool] | None:
+    """The first failing case's description, diagnosis (run again to diagnose it if the search did not) and
+    whether that tells more than the minimal case's, when it is not the minimal case."""
+    if first.spec == minimal.spec and first.layout == minimal.layout and first.metamorphic == minimal.metamorphic:
+        return None
+    if not first.diagnosis and first.out is not None:
+        first = judge(first.spec, first.layout, first.metamorphic, True)
+    return first.describe(), first.diagnosis, says_more(first.diagnosis, minimal.diagnosis)
 
 
 def _hung(result: EngineResult) -> CaseResult | None:

@@ -82,6 +82,9 @@ class CaseResult:
     invariance: str = ""
     crash: str = ""  # what ended the kernel's process or device context (a signal, a CUDA error): a failure
     context_lost: bool = False  # this process's device is unusable after the case: no further case can run
+    # the first failing case of the search, when this shrunk one is another: its description, its diagnosis
+    # and whether that tells more than this one's (diagnose.says_more)
+    first_failing: tuple[str, list[str], bool] | None = None
 
     @property
     def id(self) -> str:
@@ -97,7 +100,10 @@ class CaseResult:
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
                 "resolved_backend": self.resolved_backend, "invariance": self.invariance,
                 **({"crash": self.crash} if self.crash else {}),
-                "stats": None if self.stats is None else self.stats.to_json()}
+                "stats": None if self.stats is None else self.stats.to_json(),
+                "first_failing": None if self.first_failing is None else
+                {"case": self.first_failing[0], "diagnosis": self.first_failing[1],
+                 "tells_more": self.first_failing[2]}}
 
     def describe(self) -> str:
         return f"[{self.backend}] {self.spec.describe()} | {self.layout.describe()} | metamorphic={self.metamorphic}"
