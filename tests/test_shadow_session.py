@@ -1,6 +1,7 @@
-"""A shadow-mode session: sampling and the overhead budget, reports once per call site, the summary, reproducers
-(capped, replayable by ``mla-verify replay``), nesting, its own failures kept from the engine, and the three ways
-to turn it on: the context manager, MLA_VERIFY_SHADOW (also for ``python -m mla_verify.shadow``), ``--mla-shadow``."""
+"""A shadow-mode session: sampling and the overhead budget, reports once per call site and kind of finding, the
+summary, reproducers (capped, replayable by ``mla-verify replay``), nesting, its own failures kept from the
+engine, and the three ways to turn it on: the context manager, MLA_VERIFY_SHADOW (also for ``python -m
+mla_verify.shadow``), ``--mla-shadow``."""
 from __future__ import annotations
 
 import io
@@ -308,3 +309,34 @@ def test_pytest_bad_shadow_settings_are_usage_errors(engine_suite: pytest.Pytest
     result = engine_suite.runpytest(*QUIET, "--mla-shadow", "loud")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--mla-shadow: 'loud' is not one of 1, strict, record, 0, off*"])
+
+
+def heads_2_up_doubled(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                       block_tables, seq_lens, max_seq_len, out=None, bmm1_scale=1.0, bmm2_scale=1.0):
+    """A fault outside the diagnosis catalog: heads 2 and up come out twice too large."""
+    result = correct_kernel(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim,
+                            block_tables, seq_lens, max_seq_len, out=out, bmm1_scale=bmm1_scale,
+                            bmm2_scale=bmm2_scale)
+    result[:, :, 2:] *= 2
+    return result
+
+
+def test_a_live_mismatch_says_where_as_replay_does_and_pytest_hides_the_shadows_frames() -> None:
+    with session("strict", kernels=[heads_2_up_doubled]) as s:
+        with pytest.raises(ShadowError) as info:
+            call(heads_2_up_doubled)
+    assert "diagnosis: where: out is wrong in heads 2-3" in s.stream.getvalue()
+    shown = [str(entry.path) for entry in info.traceback.filter(info)]
+    assert not any(p.endswith(os.path.join("shadow", "session.py")) for p in shown), shown
+
+
+def test_each_distinct_finding_at_a_site_is_reported(tmp_path: Path) -> None:
+    with session("record", fixtures_dir=tmp_path) as s:
+        for longest in (100, 50, 100):  # a mismatch; a max_seq_len below the longest sequence too; again
+            halves_swapped(PROBLEM.query, PROBLEM.kv_cache, WORKSPACE, 128, 512, 64, PROBLEM.block_table,
+                           PROBLEM.seq_lens, longest, bmm1_scale=PROBLEM.bmm1_scale)
+    site, = sites(s)
+    assert site.calls == 3
+    first, second = s.tally.reports  # the third call found nothing new
+    assert "MISMATCH" in first and "max_seq_len" not in first
+    assert "max_seq_len" in second, second

@@ -15,7 +15,7 @@ import torch
 from ..core.errors import ProblemError
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats, baseline_result, compare
-from ..judge.diagnose import diagnose
+from ..judge.diagnose import diagnose_safely
 from ..judge.sparse_judge import diagnose_sparse, judge_sparse
 from ..problems.generate import dtype_name
 from ..problems.layouts import LayoutSpec
@@ -116,11 +116,12 @@ def natural_lse(lse: torch.Tensor | None, base: float | None) -> torch.Tensor | 
 
 def explain(problem: DecodeProblem | SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
             lse_base: float | None) -> list[str]:
-    """diagnose.py's (sparse_judge.py's) explanations of a mismatching output (the LSE only where its base is
-    known)."""
+    """The diagnosis replay gives a mismatching output (the LSE only where its base is known): diagnose.py's
+    explanations, else localize.py's "where" lines (sparse_judge.py's for a sparse call). Without a re-run of
+    the live kernel, a misreading seen only through NaN is not named and a NaN's cause is not told apart."""
     if isinstance(problem, SparseDecodeProblem):
         return diagnose_sparse(problem, out, natural_lse(lse, lse_base))
     if tuple(out.shape) != problem.out_shape:
         return []
     use_lse = lse if lse_base is not None and lse is not None and tuple(lse.shape) == problem.out_shape[:3] else None
-    return [str(e) for e in diagnose(problem, out, use_lse, lse_base or 2.0)]
+    return diagnose_safely(problem, out, use_lse, lse_base or 2.0)

@@ -9,7 +9,8 @@ calls included, shadow/sparse.py) and every kernel named in ``kernels=`` (a Cont
 or the object) are wrapped. A sampled call's
 arguments are checked against the kernel's contract (shadow/contract.py); the kernel runs; the same call is then
 recomputed with the reference from the same tensors and judged by the tolerance model (shadow/judge.py). A
-mismatch keeps a reproducer (shadow/fixture.py) and is reported once per call site with its diagnosis. In
+mismatch keeps a reproducer (shadow/fixture.py); each kind of finding (a mismatch, with its diagnosis -- the
+same lines replay prints -- or an argument's error or warning) is reported once per call site. In
 ``strict`` mode (the default) an argument error or a mismatch raises ``ShadowError`` after the call -- before it
 when the kernel would read outside its tensors; ``record`` only records. Either way the caller gets exactly
 what the kernel returned. A summary of what was seen is written when the session ends.
@@ -77,6 +78,7 @@ class _Entry:
 
         @functools.wraps(self.original)
         def shadowed(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841 - pytest hides the shadow's frames
             session = current_session()
             if session is None or _inside.depth:
                 return entry.original(*args, **kwargs)
@@ -97,6 +99,7 @@ class _Stopwatch:
     seconds = 0.0
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - pytest hides the shadow's frames
         started = time.perf_counter()
         _inside.depth += 1
         try:
@@ -106,6 +109,7 @@ class _Stopwatch:
             self.seconds += time.perf_counter() - started
 
 
+MISMATCH = ("mismatch", "out")  # a report kind beside the findings' (severity, argument)
 _SESSIONS: list[ShadowSession] = []
 _LOCK = threading.RLock()
 
@@ -142,7 +146,7 @@ class ShadowSession:
         self.plans = WrapperPlans()
         self.workspaces: set[int] = set()
         self.flashmla_schedules = FlashMLASchedules()
-        self.reported: set[tuple[str, str]] = set()
+        self.reported: dict[tuple[str, str], set[tuple[str, str]]] = {}  # (entry, site): what was reported
         self.installed: list[Installed] = []
 
     # ---------------------------------------------------------------- lifetime
@@ -188,6 +192,7 @@ class ShadowSession:
 
     # ---------------------------------------------------------------- one call
     def intercept(self, entry: _Entry, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - pytest hides the shadow's frames
         site = caller_site()
         with _LOCK:
             tally = self.tally.site(entry.label, site)
@@ -217,6 +222,7 @@ class ShadowSession:
 
     def _checked(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
                  kernel: _Stopwatch, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - pytest hides the shadow's frames
         tally.checked += 1
         if pre.blocking and self.mode == "strict":
             self._conclude(entry, site, tally, call, pre, Judgement(), stopped=True)  # raises
@@ -255,9 +261,10 @@ class ShadowSession:
 
     def _conclude(self, entry: _Entry, site: str, tally: SiteTally, call: LiveCall, pre: Precheck,
                   verdict: Judgement, stopped: bool = False, raised: bool = False, counted: bool = False) -> str:
-        """Count the call, report it (once per site), keep a reproducer of a first mismatch, and in strict
-        mode raise -- unless the kernel itself ``raised``. ``counted``: why its numbers were not compared is
-        counted already. Returns the report ('' when all is well)."""
+        """Count the call, report it (once per site and kind of finding), keep a reproducer of a first
+        mismatch, and in strict mode raise -- unless the kernel itself ``raised``. ``counted``: why its
+        numbers were not compared is counted already. Returns the report ('' when all is well)."""
+        __tracebackhide__ = True  # noqa: F841 - under pytest the report is the message, not the shadow's frames
         findings = pre.findings + verdict.findings
         errors = [f for f in findings if f.severity == ERROR]
         tally.errors += bool(errors)
@@ -271,13 +278,14 @@ class ShadowSession:
             tally.not_checked[reason] += 1
         if not findings and not verdict.failures:
             return ""
-        key = (entry.label, site)
-        first = key not in self.reported
+        # a site is reported again for each finding (argument, severity) or a mismatch not reported there yet
+        seen = self.reported.setdefault((entry.label, site), set())
+        kinds = {(f.severity, f.field) for f in findings} | ({MISMATCH} if verdict.failures else set())
         diagnosis, kept = (self._explain_and_keep(entry, site, tally, call, pre, verdict, findings)
-                           if first and verdict.failures else ([], None))
+                           if MISMATCH in kinds - seen else ([], None))
         report = self._report(entry, site, call, pre, verdict, diagnosis, kept, stopped)
-        if first:
-            self.reported.add(key)
+        if kinds - seen:
+            seen |= kinds
             self.tally.reports.append(report)
             self._write(report)
         if self.mode == "strict" and not raised and (errors or verdict.failures):
