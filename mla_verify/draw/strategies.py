@@ -7,7 +7,7 @@ reported as the smallest problem that still fails.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -343,9 +343,35 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
     for other_rank, other_rope in env.dims[1:]:
         out.append(Case(ProblemSpec(seq_lens=edges(small), q_len=q_lo, num_heads=h_few, page_size=small, seed=5,
                                     **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))
+    out += _tile_corners(env, budget, allowed, fit, r1, native)
     out += [
         Case(ProblemSpec(seq_lens=tuple(max(q_lo, i % (large + 1) + 1) for i in range(widest)), q_len=q_lo,
                          num_heads=h_min, page_size=large, seed=6, **r1), full, "batch"),
         Case(ProblemSpec(seq_lens=(longest,), q_len=q_lo, num_heads=h_min, page_size=large, seed=7, **r1), full),
     ]
     return out
+
+
+TILE_ROWS = (64, 128)  # query rows (q_len x heads) and KV tokens at which kernels change tiles
+
+
+def _tile_corners(env: Envelope, budget: Budget, heads: list[int], fit: Callable[[list[int]], tuple[int, ...]],
+                  r1: dict[str, Any], layout: LayoutSpec) -> list[Case]:
+    """Where kernels change tiles: q_len x heads just past 64 and 128 rows (several query tokens where the
+    envelope allows them, so the causal mask is in play), with sequences at page and tile ends +-1."""
+    q_lens = env.q_lens or tuple(range(env.q_len[0], env.q_len[1] + 1))
+    page = min(env.page_sizes or DEFAULT_PAGE_SIZES)
+    found: list[Case] = []
+    for i, rows in enumerate(TILE_ROWS):
+        # the fewest rows past the tile, most query tokens first: q_len x heads = rows + 1 where it can be
+        pairs = sorted(((q * h, -q, q, h) for q in q_lens for h in heads if q * h > rows), key=lambda x: x[:2])
+        if not pairs:
+            continue
+        _, _, q, h = pairs[0]
+        near = {page - 1, page, page + 1, *(t + d for t in TILE_ROWS for d in (-1, 0, 1))}
+        lens = fit(sorted(n for n in near if q <= n <= min(env.max_seq_len, budget.max_seq_len)))
+        spec = ProblemSpec(seq_lens=lens, q_len=q, num_heads=h, page_size=page, seed=10 + i, **r1)
+        if lens and sum(lens) * q * h <= budget.units and len(lens) * q * h <= budget.max_rows \
+                and env.why_not(spec, layout) is None:
+            found.append(Case(spec, layout))
+    return found
