@@ -145,6 +145,20 @@ def test_a_causal_limit_one_too_far_is_found():
     assert _line(lines, "keys:").startswith(WHERE + "keys: the causal limit is off by +1")
 
 
+def test_a_per_row_key_rule_names_the_rows_and_the_key():
+    # rows whose causal limit is a page's last slot read the next key too: positions 7 (batch 0, token 1),
+    # 15 (batch 1, token 2) and 23 (batch 2, token 1) in 8-token pages -- no product of axes, nor a threshold;
+    # one head, and short sequences: one key more moves each such row past its tolerance
+    p = build_problem(ProblemSpec((10, 17, 26), q_len=4, num_heads=1, kv_lora_rank=256, page_size=8))
+    page = p.page_size
+    out = _attention(p, lambda b, t, pos: pos <= _causal(p, b, t) + int(_causal(p, b, t) % page == page - 1))
+    lines = localize(p, out, reference_decode(p))
+    assert _line(lines, "out is wrong").startswith(
+        WHERE + f"out is wrong in the query tokens at positions at the last slot of a page (position % {page} == "
+        f"{page - 1})")
+    assert _line(lines, "keys:").startswith(WHERE + "keys: the causal limit is off by +1")
+
+
 @pytest.mark.parametrize("visible, words", [
     (lambda limit, w: lambda pos: pos <= limit, "the sliding window is ignored"),
     (lambda limit, w: lambda pos: (pos <= limit) & (pos >= limit - w + 1), "the sliding window starts 1 position late"),

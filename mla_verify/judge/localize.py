@@ -191,9 +191,14 @@ def _token_positions(p: DecodeProblem, bt: torch.Tensor) -> str | None:
     Q = bt.shape[1]
     own = p.request_q_lens().to(bt.device)[:, None]
     pos = p.seq_lens.to(bt.device).long()[:, None] - own + torch.arange(Q, device=bt.device)[None, :]
-    lo, hi = int(pos[bt].min()), int(pos[bt].max())
-    for fits, rule in ((pos >= lo, f">= {lo}"), (pos <= hi, f"<= {hi}")):
-        if torch.equal(fits, bt):
+    lo, hi, page = int(pos[bt].min()), int(pos[bt].max()), p.page_size
+    real = torch.ones_like(bt) if p.valid_rows() is None else p.valid_rows().to(bt.device)  # a ragged one's own
+    # a position at a page's last or first slot: a kernel that moves a row's causal limit where its tile or
+    # page ends gets those rows wrong (with the key rule below, "the causal limit is off by +1")
+    for fits, rule in ((pos >= lo, f">= {lo}"), (pos <= hi, f"<= {hi}"),
+                       (pos % page == page - 1, f"at the last slot of a page (position % {page} == {page - 1})"),
+                       (pos % page == 0, f"at the first slot of a page (position % {page} == 0)")):
+        if torch.equal(fits & real, bt):
             return f"the query tokens at positions {rule} (position = seq_len - q_len + token)"
     return None
 
