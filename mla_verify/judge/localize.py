@@ -192,7 +192,8 @@ def _token_positions(p: DecodeProblem, bt: torch.Tensor) -> str | None:
     own = p.request_q_lens().to(bt.device)[:, None]
     pos = p.seq_lens.to(bt.device).long()[:, None] - own + torch.arange(Q, device=bt.device)[None, :]
     lo, hi, page = int(pos[bt].min()), int(pos[bt].max()), p.page_size
-    real = torch.ones_like(bt) if p.valid_rows() is None else p.valid_rows().to(bt.device)  # a ragged one's own
+    rows = p.valid_rows()  # a ragged request's own tokens
+    real = torch.ones_like(bt) if rows is None else rows.to(bt.device)
     # a position at a page's last or first slot: a kernel that moves a row's causal limit where its tile or
     # page ends gets those rows wrong (with the key rule below, "the causal limit is off by +1")
     for fits, rule in ((pos >= lo, f">= {lo}"), (pos <= hi, f"<= {hi}"),
