@@ -182,7 +182,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
     if result.failure is not None and failing and not result.interrupted:
-        result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge)
+        result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge,
+                                                      rerun=not clock.expired)
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
@@ -258,12 +259,14 @@ def _finite(r: CaseResult) -> bool:
     return r.out is not None and bool(torch.isfinite(r.out).all())
 
 
-def _first_failing(first: CaseResult, minimal: CaseResult, judge: CaseJudge) -> tuple[str, list[str], bool] | None:
-    """The first failing case's description, diagnosis (run again to diagnose it if the search did not) and
-    whether that tells more than the minimal case's, when it is not the minimal case."""
+def _first_failing(first: CaseResult, minimal: CaseResult, judge: CaseJudge,
+                   rerun: bool) -> tuple[str, list[str], bool] | None:
+    """The first failing case's description, diagnosis (``rerun``: run again to diagnose it if the search did
+    not; not past the run's deadline) and whether that tells more than the minimal case's, when it is not the
+    minimal case."""
     if first.spec == minimal.spec and first.layout == minimal.layout and first.metamorphic == minimal.metamorphic:
         return None
-    if not first.diagnosis and first.out is not None:
+    if not first.diagnosis and first.out is not None and rerun:
         first = judge(first.spec, first.layout, first.metamorphic, True)
     return first.describe(), first.diagnosis, says_more(first.diagnosis, minimal.diagnosis)
 
