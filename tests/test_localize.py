@@ -159,6 +159,17 @@ def test_a_per_row_key_rule_names_the_rows_and_the_key():
     assert _line(lines, "keys:").startswith(WHERE + "keys: the causal limit is off by +1")
 
 
+def test_rows_that_are_all_zero_are_said_to_read_no_key():
+    # a kernel that cuts a page-aligned sequence to nothing writes 0 there: no masking of keys gives 0, so the
+    # key search would say "the values are off" -- the wrong line to look at
+    p = build_problem(ProblemSpec((16, 20), num_heads=2, **SMALL))
+    out = reference_decode(p).out.to(torch.bfloat16)
+    out[0] = 0
+    lines = localize(p, out, reference_decode(p))
+    assert _line(lines, "out is wrong").startswith(WHERE + "out is wrong in batch entry 0")
+    assert _line(lines, "keys:").startswith(WHERE + "keys: none -- every finite wrong row of out is 0"), lines
+
+
 @pytest.mark.parametrize("visible, words", [
     (lambda limit, w: lambda pos: pos <= limit, "the sliding window is ignored"),
     (lambda limit, w: lambda pos: (pos <= limit) & (pos >= limit - w + 1), "the sliding window starts 1 position late"),

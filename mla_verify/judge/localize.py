@@ -13,7 +13,7 @@ Four questions, each answered by the simplest rule that fits:
    families of rules are tried at once: positions >= X ignored, positions < X ignored, the causal limit off
    by d, a sliding window's start off by d or the window ignored, one key (or one chunk) missing. A rule is
    reported when its masked reference matches the kernel as diagnose.py demands of a misreading (``OUT_TOL``,
-   ``TRUTH_MARGIN``).
+   ``TRUTH_MARGIN``). Wrong rows that are all 0 read no key at all (no masking gives 0): that is said instead.
 3. Whether the wrong rows hold other rows' right answers: batch entries, query tokens or heads permuted or
    swapped (each wrong row within its tolerance of the reference of another row along one axis, one source
    per index); the mapping is named and the key search skipped.
@@ -78,6 +78,9 @@ def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, 
         finite_wrong = wrong & torch.isfinite(out).all(-1).to(wrong.device)
         if mapping is not None:  # each wrong row is another row's right answer: no key was misread
             lines.append(mapping)
+        elif bool(finite_wrong.any()) and not bool(out[finite_wrong].any()):  # no masking of keys makes 0
+            lines.append(WHERE + "keys: none -- every finite wrong row of out is 0, as if it read no key (a "
+                         "sequence cut to nothing: its length or its page count)")
         elif bool(finite_wrong.any()):
             lines.append(_key_rule(wide, out, truth, finite_wrong, dtype))
     if lse is not None and tuple(lse.shape) == tuple(truth.lse.shape):
