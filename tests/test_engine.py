@@ -45,6 +45,18 @@ def test_corner_cases_fit_envelope_and_cover_extremes():
     assert max(max(c.spec.seq_lens) for c in trtllm) == TRTLLM_ENVELOPE.max_seq_len
 
 
+def test_corner_cases_cross_the_tiles_kernels_change_at():
+    # kernels tile query rows (q_len x heads) and KV tokens by 64 and 128: just past each, with several query
+    # tokens (the causal mask in play) and sequences at the page end and both tile ends, +-1 each
+    corners = corner_cases(TRTLLM_ENVELOPE, budget_for("cpu"))
+    for tile in (64, 128):
+        crossing = [c.spec for c in corners if tile < c.spec.q_len * c.spec.num_heads < 2 * tile and c.spec.q_len > 1]
+        assert crossing, f"no corner case with q_len x heads just past {tile} rows"
+        page = min(TRTLLM_ENVELOPE.page_sizes)
+        ends = {n + d for n in (page, 64, 128) for d in (-1, 0, 1)}
+        assert any(ends <= set(s.seq_lens) for s in crossing), [s.seq_lens for s in crossing]
+
+
 def test_premerge_is_reproducible():
     backend = TrtllmStyleBackend("correct", correct_kernel)
     runs = [verify(backend, "cpu", "dev", max_examples=6) for _ in range(2)]
