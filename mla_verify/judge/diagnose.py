@@ -276,10 +276,13 @@ def explained(lines: list[str]) -> bool:
 
 
 def says_more(lines: list[str], than: list[str]) -> bool:
-    """Whether diagnosis ``lines`` tell more than ``than``: a misreading named beats none; a key rule that
-    matches, and a rule naming the wrong rows by a property (seq_len, position), beat their absence."""
+    """Whether diagnosis ``lines`` tell more than ``than``: one misreading named beats candidates this case
+    cannot tell apart, which beat none; a key rule that fits, and a rule naming the wrong rows by a property
+    (seq_len, position) or a mapping, beat their absence."""
     def weight(ds: list[str]) -> int:
-        return (4 * explained(ds) + 2 * any("keys: " in d and " matches out " in d for d in ds)
+        alone = explained(ds) and not any(d.startswith(CANDIDATES) for d in ds)
+        return (8 * alone + 4 * explained(ds)
+                + 2 * any("keys: " in d and (" matches out " in d or "keys: none" in d) for d in ds)
                 + any(" swapped" in d or " holds " in d or "batch entries with" in d or "query tokens at positions" in d
                       for d in ds))
     return weight(lines) > weight(than)

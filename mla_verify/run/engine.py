@@ -182,14 +182,15 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
                 result.failure = _replayed(smallest, judge)
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
-    if result.failure is not None and failing and not result.interrupted:
-        result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge,
-                                                      rerun=not clock.expired)
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
         result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
                                     for d in corner_failure.diagnosis]
+    if result.failure is not None and failing and not result.interrupted:  # after the borrowing above: a
+        # first failing case that is that corner case then tells nothing more
+        result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge,
+                                                      rerun=not clock.expired)
     judge.close()
     result.draw_seconds = clock.draw_seconds
     result.seconds = time.monotonic() - started
