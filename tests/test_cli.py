@@ -203,6 +203,8 @@ def test_doctor_and_list_backends(capsys):
     assert code == 0
     assert re.search(r"cpu-peer\s+runs here", out) and re.search(r"trtllm-gen\s+cannot run: ", out)
     assert "envelope: devices" in out
+    sparse = out[out.index("sparse (top-k) backends on cpu:"):]
+    assert re.search(r"flashmla-sparse\s+cannot run: ", sparse) and "formats V32" in sparse
 
 
 def test_no_backend_named_checks_every_runnable_one_and_says_why_others_skip(capsys, tmp_path, monkeypatch):

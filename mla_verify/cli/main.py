@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a trtllm-style callable (or a SparseBackend instance) to verify, MODULE:ATTR or "
                             "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
-                       help="a registered backend to verify (repeatable; see list-backends; the sparse ones: "
-                            "flashmla-sparse, fa3-sparse)")
+                       help="a registered backend to verify (repeatable; list-backends names them, the sparse "
+                            "(top-k) ones in a section of their own)")
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
@@ -464,19 +464,21 @@ def cmd_list_backends(ns: argparse.Namespace) -> int:
 
 
 def _print_backend_table(devices: list[torch.device], with_envelope: bool) -> None:
-    from ..backends import all_backends
+    from ..backends import all_backends, sparse_backends
 
-    backends = all_backends()
-    width = max(len(n) for n in backends)
+    groups: list[tuple[str, dict[str, Any], Callable[[Any], str]]] = [
+        ("backends", all_backends(), envelope_summary),
+        ("sparse (top-k) backends", sparse_backends(), sparse_envelope_summary)]
+    width = max(len(n) for _, backends, _ in groups for n in backends)
     for device in devices:
-        print(f"backends on {device}:")
-        for name, b in backends.items():
-            reason = b.unavailable_reason(device)
-            print(f"  {name:<{width}}  {'runs here' if reason is None else 'cannot run: ' + reason}")
-            if with_envelope:
-                details = ([b.description] if b.description else []) + [f"envelope: {envelope_summary(b.envelope)}"]
-                for line in details:
-                    print(f"  {'':<{width}}  {line}")
+        for title, backends, summary in groups:
+            print(f"{title} on {device}:")
+            for name, b in backends.items():
+                reason = b.unavailable_reason(device)
+                print(f"  {name:<{width}}  {'runs here' if reason is None else 'cannot run: ' + reason}")
+                if with_envelope:
+                    for line in ([b.description] if b.description else []) + [f"envelope: {summary(b.envelope)}"]:
+                        print(f"  {'':<{width}}  {line}")
 
 
 def envelope_summary(env: Any) -> str:
@@ -500,4 +502,14 @@ def envelope_summary(env: Any) -> str:
             f"{' (also ragged, per request)' if env.ragged_q else ''}; "
             f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
             f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
+
+
+def sparse_envelope_summary(env: Any) -> str:
+    """One line: what a sparse backend claims to handle."""
+    archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
+    pages = "any" if env.page_sizes is None else ",".join(map(str, sorted(env.page_sizes)))
+    return (f"devices {'/'.join(env.devices)} (arch {archs}); formats {'/'.join(env.formats)}; "
+            f"scales {'/'.join(env.scales)}; topk a multiple of {env.topk_multiple} up to {env.max_topk}; "
+            f"heads up to {env.max_heads}; q_len {env.q_len[0]}-{env.q_len[1]}; page {pages}; "
+            f"sinks {'yes' if env.sinks else 'no'}; LSE base {'2' if env.lse_base == 2 else 'e'}")
 
