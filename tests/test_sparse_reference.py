@@ -115,3 +115,14 @@ def test_out_of_pool_index_is_a_problem_error():
     bad[0, 0, 3] = p.slots
     with pytest.raises(ProblemError, match=r"indices\[0, 0, 3\].*neither -1 nor a slot"):
         dataclasses.replace(p, indices=bad).validate()
+
+
+def test_a_non_finite_lse_is_named_as_such_not_as_an_infinite_ratio():
+    from mla_verify.judge.sparse_judge import judge_sparse
+
+    problem = build_sparse_problem(SparseSpec(batch=1, num_heads=4, fmt="bf16", invalid=0.0), "cpu")
+    ref = sparse_reference(problem)
+    lse = ref.lse.clone()
+    lse[0, 0, 2] = float("nan")
+    assert judge_sparse(problem, ref.out, lse, ref) == [
+        "lse: 1 row NaN or -inf where the reference is finite (first at [b, token, head] = [0, 0, 2])"]

@@ -74,8 +74,12 @@ def _lse_failures(lse: torch.Tensor, want: torch.Tensor) -> list[str]:
     if not torch.equal(lse == math.inf, empty):
         return [f"lse: +inf at {int((lse == math.inf).sum())} rows, expected at the {int(empty.sum())} rows with "
                 "no valid entry"]
+    broken = ~torch.isfinite(lse) & ~empty
+    if bool(broken.any()):
+        at, n = [int(x) for x in broken.nonzero()[0]], int(broken.sum())
+        return [f"lse: {n} row{'s' * (n != 1)} NaN or -inf where the reference is finite (first at "
+                f"[b, token, head] = {at})"]
     gap = torch.where(empty, 0.0, (lse - want).abs() / lse_allowed(want.masked_fill(empty, 0), 0.0))
-    gap = torch.nan_to_num(gap, nan=math.inf)
     if float(gap.max()) > 1:
         at = [int(x) for x in (gap == gap.max()).nonzero()[0]]
         return [f"lse: off by {float(gap.max()):.3g}x its bound at [b, token, head] = {at}"]
