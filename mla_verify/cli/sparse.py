@@ -64,7 +64,8 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
             continue
         run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0, minutes=minutes)
         counts = {v: sum(c.verdict == v for c in run.cases) for v in ("pass", "fail", "skip")}
-        print(f"{backend.name}: {run.verdict.upper()} -- {len(run.cases)} sparse cases ({counts['pass']} passed, "
+        n = len(run.cases)
+        print(f"{backend.name}: {run.verdict.upper()} -- {n} sparse case{'s' * (n != 1)} ({counts['pass']} passed, "
               f"{counts['fail']} failed, {counts['skip']} skipped)", flush=True)
         if run.failure is not None:
             failed = True
