@@ -273,14 +273,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _warm_up(config: pytest.Config, device: torch.device) -> WarmupResult:
     """This process's warm-up (run/warmup.py), before its first verifying test: every module of the backends
-    the run verifies, or of ``--mla-kernel``'s."""
+    the run verifies, or of ``--mla-kernel``'s. Built here; loaded here too unless those tests isolate their
+    cases (MLAOptions.verify_options: ``--mla-kernel``'s by default), whose workers then load them."""
     options = config.stash[_OPTIONS_KEY]
     backends: list[Backend]
     if options.kernel is not None:
         backends = [load_kernel(options.kernel, "--mla-kernel")]
     else:
         backends = [b for name, b in all_backends().items() if not options.backends or name in options.backends]
-    return warm_up([b for b in backends if b.unavailable_reason(device) is None], device, sys.__stderr__)
+    isolated = options.kernel is not None if options.isolate is None else options.isolate
+    return warm_up([b for b in backends if b.unavailable_reason(device) is None], device, sys.__stderr__,
+                   load=not isolated)
 
 
 # --- controller side under xdist (optional hooks: xdist may not be installed) ---

@@ -1,17 +1,24 @@
 """The warm-up phase (run/warmup.py) with fake backends: what they declare is built once per builder, the
 builders side by side, then loaded; it runs once, before `check`'s first case; its time is reported apart
-from the cases'; a failure is a line, not a traceback. No compiler is involved: the builders are stubs."""
+from the cases'; a failure is a line, not a traceback; with cases isolated, this process builds and each case
+worker loads, before its first case and again after a restart. No compiler is involved: the builders are
+stubs."""
 from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import warming_backends
 
 from mla_verify.backends.base import WarmupModule
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
@@ -205,3 +212,55 @@ def test_a_failed_flashinfer_build_names_the_compiler_s_first_error(monkeypatch)
         build_all(["spec"])
     assert str(raised.value).splitlines()[0] == \
         'Ninja build failed. First error: batch_mla_run.cu(12): error: identifier "x" is undefined'
+
+
+def test_steps_can_be_taken_apart_built_in_one_process_and_loaded_in_another() -> None:
+    j = Journal()
+    ninja = j.builder("fi")
+    backends = [Declaring("fa2", [j.module("m1", ninja), j.module("m2", ninja)])]
+    built = warm_up(backends, CPU, io.StringIO(), load=False)  # type: ignore[arg-type]
+    assert [e[0] for e in j.events] == ["build"] and built.load_seconds is None
+    assert built.describe().endswith("(build 0.0 s, each case worker loads them)")
+    loaded = warm_up(backends, CPU, io.StringIO(), build=False)  # type: ignore[arg-type]
+    assert [e[0] for e in j.events] == ["build", "load", "load"] and loaded.build_seconds is None
+    again = loaded.then(loaded)  # the same worker's warm-up after a restart
+    assert again.seconds == 2 * loaded.seconds and again.starts == 2 and again.modules == 2
+    assert again.load_seconds == {name: 2 * s for name, s in (loaded.load_seconds or {}).items()}
+    assert "over 2 worker starts" in again.describe()
+
+
+def test_isolated_cases_are_judged_in_workers_that_load_the_modules_this_process_built(tmp_path: Path) -> None:
+    """`check --isolate` with a plugin backend whose steps write down their process: built once in the check
+    process, loaded in each worker -- the first and each restarted after a segfault -- before its first case,
+    never in the check process; the workers' warm-up reported apart from the cases."""
+    site = tmp_path / "site" / "warm_journal-0.dist-info"  # a plugin as pip installs one: its entry point
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: warm-journal\nVersion: 0\n")
+    (site / "entry_points.txt").write_text("[mla_verify.backends]\nwarm-journal = warming_backends:make_backend\n")
+    tests = Path(__file__).resolve().parent
+    journal, report = tmp_path / "journal.jsonl", tmp_path / "r.json"
+    env = {**os.environ, warming_backends.JOURNAL_ENV: str(journal),
+           "PYTHONPATH": os.pathsep.join([str(site.parent), str(tests.parent), str(tests)])}
+    proc = subprocess.Popen([sys.executable, "-m", "mla_verify.cli", "check", "--backend", warming_backends.NAME,
+                             "--device", "cpu", "--isolate", "--profile", "premerge", "--report", str(report),
+                             "--fixtures-dir", str(tmp_path / "fx")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1 and "the kernel crashed: killed by SIGSEGV" in out, out
+    events = [json.loads(line) for line in journal.read_text().splitlines()]
+    modules = sorted(warming_backends.MODULES)
+    assert [(e["step"], e["pid"], e["detail"]) for e in events if e["step"] == "build"] == \
+        [("build", proc.pid, modules)]  # once, every module in one call, in the check process
+    assert all(e["pid"] != proc.pid for e in events if e["step"] in ("load", "case"))
+    workers = list(dict.fromkeys(e["pid"] for e in events if e["step"] == "case"))
+    assert len(workers) >= 2, "the segfaults restart the worker"
+    for pid in workers:
+        steps = [(e["step"], e["detail"]) for e in events if e["pid"] == pid]
+        assert sorted(steps[:2]) == [("load", m) for m in modules], (pid, steps)  # before its first case
+        assert [s for s, _ in steps[2:]] == ["case"] * (len(steps) - 2)
+    assert {e["pid"] for e in events if e["step"] == "load"} == set(workers)
+    assert "(build " in out and "each case worker loads them)" in out
+    line, = [ln for ln in out.splitlines() if ln.startswith("  warm-up in its worker: ")]
+    assert f"2 module(s) for {warming_backends.NAME}" in line and f"over {len(workers)} worker starts" in line
+    throughput = json.loads(report.read_text())["run"]["throughput"][warming_backends.NAME]
+    assert throughput["warmup_s"] >= len(workers) * len(modules) * warming_backends.LOAD_S  # each load's sleep

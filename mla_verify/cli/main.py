@@ -193,11 +193,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for backend, reason in backends:
         if reason is not None:
             print(f"skipped {backend.name}: {reason}", flush=True)
-    warmup = warm_up([b for b, reason in backends if reason is None], device)
-    if warmup.modules or warmup.failures:
-        print(f"warm-up: {warmup.describe()}", flush=True)
-        for line in warmup.failures:
-            print(f"  warm-up failed: {line}", flush=True)
+    # built here once; loaded here, or in each case worker as it starts where cases are isolated (warmup.py)
+    warmup = warm_up([b for b, reason in backends if reason is None], device, load=not isolate)
+    _print_warmup("warm-up", warmup)
     for backend, reason in backends:
         if reason is not None:
             results.append(verify(backend, device, profile))  # records the backend as unavailable
@@ -218,6 +216,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
                             on_start=starting, kernel_seconds=ns.case_timeout, isolate=isolate)
         in_flight.unlink(missing_ok=True)
         print(_summary_line(result), flush=True)
+        _print_warmup("  warm-up in its worker", result.warmup)
         if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
             print(f"  {resolution_line(result.backend, resolved)}", flush=True)
         if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result))):
@@ -258,6 +257,14 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def _print_warmup(title: str, warmup: Any) -> None:
+    """A warm-up's line and its failures' (none when nothing was declared)."""
+    if warmup is not None and (warmup.modules or warmup.failures):
+        print(f"{title}: {warmup.describe()}", flush=True)
+        for line in warmup.failures:
+            print(f"  warm-up failed: {line}", flush=True)
 
 
 def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None) -> int | None:

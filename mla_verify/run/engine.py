@@ -9,8 +9,10 @@ case. Past the deadline a search that found a failure reports the smallest one s
 that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
 every attempt would hang too). With ``isolate`` each case is judged in a worker process (isolate.py): a
 kernel that crashes its process fails its case as a crash, and the search goes on and shrinks it; in this
-process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. Ctrl-C
-ends the search and returns what was judged so far (``EngineResult.interrupted``).
+process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. The
+worker warms up before the first case and after each restart (isolate.py); that time is the run's warm-up
+(``EngineResult.warmup``), left out of its seconds and its minutes, as the caller's warm-up before an
+in-process run is. Ctrl-C ends the search and returns what was judged so far (``EngineResult.interrupted``).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from ..judge.diagnose import explained, says_more
 from .harness import SKIP_MEMORY, CaseResult
 from .isolate import CaseJudge, case_judge
 from .simplify import simplify, size
+from .warmup import WarmupResult
 from .watchdog import grace_seconds
 
 DEFAULT_SEED = 20261201
@@ -51,6 +54,7 @@ class EngineResult:
     timed_out: bool = False
     interrupted: bool = False  # Ctrl-C: the cases judged until then
     draw_seconds: float = 0.0  # in the strategies, every draw counted (also those that never became a case)
+    warmup: WarmupResult | None = None  # its isolated workers' warm-ups, not in ``seconds``
 
     @property
     def verdict(self) -> str:
@@ -80,6 +84,11 @@ class _Clock:
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.expired = True
             raise _Stop("time up")
+
+    def leave_out(self, seconds: float) -> None:
+        """Time that was not the cases' (a worker's warm-up): the deadline moves by it."""
+        if self.deadline is not None:
+            self.deadline += seconds
 
     def drawn(self) -> float:
         """Called as a case starts: seconds since its draw began."""
@@ -122,11 +131,15 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     minutes = prof.minutes if minutes is None else minutes
     clock = _Clock(None if minutes is None else started + 60.0 * minutes)
     judge = case_judge(backend, device, kernel_seconds, isolate)  # a worker left by an exception ends at exit
+    judge.start()
+    clock.leave_out(_warm_seconds(judge))
 
     def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
         if on_start is not None:
             on_start(case)
+        warmed = _warm_seconds(judge)
         r = judge(case.spec, case.layout, case.transform, diagnose)
+        clock.leave_out(_warm_seconds(judge) - warmed)  # a worker restarted after a crash warmed up again
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
@@ -193,8 +206,13 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
                                                       rerun=not clock.expired)
     judge.close()
     result.draw_seconds = clock.draw_seconds
-    result.seconds = time.monotonic() - started
+    result.warmup = judge.warmup
+    result.seconds = time.monotonic() - started - _warm_seconds(judge)
     return result
+
+
+def _warm_seconds(judge: CaseJudge) -> float:
+    return 0.0 if judge.warmup is None else judge.warmup.seconds
 
 
 def _search(backend: Backend, prof: Profile, max_examples: int | None, database: ExampleDatabase | None,

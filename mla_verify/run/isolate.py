@@ -4,7 +4,9 @@ case, which fails as a crash, while the search in the parent goes on and shrinks
 
 The model is AFL's fork server: a forkserver process imports torch and this package once, and each worker
 forks from it in milliseconds, loads the backend (``named_backend``: by name, or a ``--kernel`` from where it
-was loaded) and judges cases until it dies; a dead worker is replaced before the next case. The fork server
+was loaded), warms up (warmup.py: it loads the backend's compiled modules, which the parent has built, so
+their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up again,
+before the next case. The fork server
 never touches CUDA, so each worker makes its own context (forking a process that holds one is not safe).
 
 Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
@@ -40,6 +42,7 @@ from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 from . import watchdog
 from .harness import STAGES, CaseResult, crashed, run_case
+from .warmup import WarmupResult, warm_up
 
 EXIT_STUCK = 86  # a worker ended by the watchdog's hard stop (a kernel stuck in native code); any free code
 _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "skip_kind", "hung",
@@ -47,9 +50,16 @@ _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "sk
 
 
 class CaseJudge(Protocol):
-    """Judges one case of one backend (``run_case``'s arguments beyond the backend); ``close`` frees it."""
+    """Judges one case of one backend (``run_case``'s arguments beyond the backend); ``start`` readies it for
+    the first case (an isolated worker warms up there); ``close`` frees it."""
 
     def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult: ...
+
+    def start(self) -> None: ...
+
+    @property
+    def warmup(self) -> WarmupResult | None:
+        """Its own warm-ups added up; None when it has none (in-process, the caller warms up)."""
 
     def close(self) -> None: ...
 
@@ -67,17 +77,27 @@ class InProcess:
         return run_case(self.backend, spec, layout, self.device, transform, problem=self.problem, diagnose=diagnose,
                         kernel_seconds=self.kernel_seconds)
 
+    def start(self) -> None:
+        pass
+
+    @property
+    def warmup(self) -> WarmupResult | None:
+        return None  # this process's: check and the pytest plugin warm up before the first case
+
     def close(self) -> None:
         pass
 
 
 class Isolated:
     """Cases judged in a persistent worker process, replaced after each death. ``keep_output``: the kernel's
-    output and LSE come back for every case (replay compares their bits), not only for failures."""
+    output and LSE come back for every case (replay compares their bits), not only for failures. ``warm``: each
+    worker loads the backend's modules before its first case (``warmup`` adds up what that took)."""
 
     def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
-                 keep_output: bool = False) -> None:
+                 keep_output: bool = False, warm: bool = False) -> None:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
+        self.warm = warm
+        self._warmup: WarmupResult | None = None
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         self._mp: Any = multiprocessing.get_context(method)
         if method == "forkserver":  # imported once in the fork server, not in every worker
@@ -91,8 +111,7 @@ class Isolated:
         self.deaths = 0
 
     def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
-        if self._worker is None:
-            self._start()
+        self.start()
         assert self._conn is not None
         self._stage.value = -1
         request = {"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
@@ -117,6 +136,15 @@ class Isolated:
             result.problem = build_problem(spec, self.device)
         return result
 
+    def start(self) -> None:
+        """A worker now, if none is running (the first case, or the next after a death, then finds it warm)."""
+        if self._worker is None:
+            self._start()
+
+    @property
+    def warmup(self) -> WarmupResult | None:
+        return self._warmup
+
     def close(self) -> None:
         self._stop()
 
@@ -125,7 +153,7 @@ class Isolated:
         worker = self._mp.Process(
             target=_serve, name=f"mla-verify worker ({self.backend.name})", daemon=True,
             args=(child, self.backend.name, self.backend.source, str(self.device), torch.get_num_threads(),
-                  watchdog.grace_seconds(), self._stage))
+                  watchdog.grace_seconds(), self._stage, self.warm))
         with _this_package_first():
             worker.start()
         child.close()
@@ -138,6 +166,9 @@ class Isolated:
             self._stop()
             raise UsageError(f"{self.backend.name}: the isolated worker could not load it: {reply[0]['error']} "
                              "(--no-isolate runs it in this process)")
+        if reply[0]["warmup"] is not None:
+            warmed = WarmupResult(**reply[0]["warmup"])
+            self._warmup = warmed if self._warmup is None else self._warmup.then(warmed)
 
     def _receive(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         """The worker's next message and its tensors; None when it died first."""
@@ -203,7 +234,10 @@ def _this_package_first() -> Iterator[None]:
 
 
 def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | None, isolate: bool) -> CaseJudge:
-    return Isolated(backend, device, kernel_seconds) if isolate else InProcess(backend, device, kernel_seconds)
+    """The engine's judge: isolated, its workers warm up (the caller has built: warmup.py)."""
+    if isolate:
+        return Isolated(backend, device, kernel_seconds, warm=True)
+    return InProcess(backend, device, kernel_seconds)
 
 
 def _decoded(name: str, spec: ProblemSpec, layout: LayoutSpec, transform: str, header: dict[str, Any],
@@ -220,10 +254,11 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
         conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
 
 
-def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, grace: float, stage: Any) -> None:
-    """The worker: load the backend, then judge each case sent until the parent closes the pipe, or until a
-    CUDA error leaves this process's device unusable. ``threads`` and ``grace`` are the parent's now (the
-    environment is the fork server's, from when it started)."""
+def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, grace: float, stage: Any,
+           warm: bool) -> None:
+    """The worker: load the backend (``warm``: and its compiled modules), then judge each case sent until the
+    parent closes the pipe, or until a CUDA error leaves this process's device unusable. ``threads`` and
+    ``grace`` are the parent's now (the environment is the fork server's, from when it started)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends this worker
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
     os.environ[watchdog.GRACE_ENV] = repr(grace)
@@ -233,7 +268,8 @@ def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, 
     except MLAVerifyError as e:
         _send(conn, {"error": str(e)})
         return
-    _send(conn, {"ready": True})
+    warmed = warm_up([backend], torch.device(device), build=False) if warm else None
+    _send(conn, {"ready": True, "warmup": None if warmed is None else dataclasses.asdict(warmed)})
 
     def entered(name: str) -> None:
         stage.value = STAGES.index(name)
