@@ -223,14 +223,21 @@ def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester
         if specs == ["broken"]:
             raise RuntimeError("nvcc: fatal error\nmore")
 
-    declared = [WarmupModule("mod-a", "a", build, lambda: None)]
+    loaded: list[str] = []
+    declared = [WarmupModule("mod-a", "a", build, lambda: loaded.append("mod-a"))]
     monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: declared)
     kernel = f"{TESTS / 'cli_kernels.py'}:good"
     result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-shards", "2", "--mla-device", "cpu",
                                 "--mla-profile", "dev")
     result.assert_outcomes(passed=2)
     assert built == [["a"]]  # two kernel tests, one warm-up
-    result.stdout.fnmatch_lines([f"mla-verify: warm-up on main (cpu): 1 module(s) for {kernel} in *"])
+    assert loaded == []  # --mla-kernel's tests are isolated: their case workers load, not this process
+    result.stdout.fnmatch_lines([f"mla-verify: warm-up on main (cpu): 1 module(s) for {kernel} in * "
+                                 "(build *, each case worker loads them)"])
+    result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev",
+                                "--mla-isolate", "off")
+    result.assert_outcomes(passed=1)
+    assert loaded == ["mod-a"]  # in-process: built and loaded here
     declared[:] = [WarmupModule("mod-b", "broken", build, lambda: None)]
     result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev")
     result.assert_outcomes(passed=1)  # a failed warm-up is said; the kernel's tests judge what happens next
