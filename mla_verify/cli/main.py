@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
     check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
     check.add_argument("--minutes", type=positive_minutes, metavar="M",
-                       help="end each backend's run after M minutes (plus at most the case in progress)")
+                       help="end each backend's run after M minutes of cases (plus at most the case in progress; "
+                            "warm-up, in this process or in a case worker, is not counted)")
     check.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
                        help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
     check.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
