@@ -22,7 +22,7 @@ from .base import Backend, Envelope, PreparedCall, SparseBackend
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
 __all__ = ["Backend", "Envelope", "PreparedCall", "SparseBackend", "ENTRY_POINT_GROUP", "builtin_backends",
-           "all_backends", "get_backend", "named_backend", "requested_backends", "sparse_backends"]
+           "all_backends", "get_backend", "named_backend", "requested_backends", "sparse_backends", "split_sparse"]
 
 
 def builtin_backends() -> list[Backend]:
@@ -94,3 +94,25 @@ def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | Non
     if kernels:
         return [load_kernel(k) for k in kernels]
     return [get_backend(n) for n in dict.fromkeys(names)] if names else list(all_backends().values())
+
+
+def split_sparse(kernels: list[str] | None, names: list[str] | None
+                 ) -> tuple[list[tuple[SparseBackend, str | None]], list[str] | None, list[str] | None]:
+    """(the sparse backends asked for, each with its --kernel target or None; the other --kernel targets; the
+    other --backend names). With neither flag given, every built-in sparse backend."""
+    from .user_kernel import resolve_kernel
+
+    registry = sparse_backends()
+    if not kernels and not names:
+        return [(b, None) for b in registry.values()], kernels, names
+    sparse: list[tuple[SparseBackend, str | None]] = []
+    dense_kernels = []
+    for target in kernels or []:
+        obj = resolve_kernel(target)[2]
+        if isinstance(obj, SparseBackend):
+            sparse.append((obj, target))
+        else:
+            dense_kernels.append(target)
+    dense_names = [n for n in names or [] if n not in registry]
+    sparse += [(registry[n], None) for n in dict.fromkeys(names or []) if n in registry]
+    return sparse, dense_kernels or None, dense_names or None

@@ -106,6 +106,9 @@ class SparseBackend(ABC):
     name: str
     envelope: SparseEnvelope
     description: str = ""
+    # formats whose packed bytes the kernel never sees: ``prepare`` widens such a problem's cache to bf16 rows
+    # (outside the call), so the kernel's traffic is the bf16 problem's (the bench times those as bf16 only)
+    widened_formats: tuple[str, ...] = ()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return device_reason(self.envelope, device)

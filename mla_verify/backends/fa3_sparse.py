@@ -18,7 +18,7 @@ import torch
 
 from ..core.platform import flashinfer_unavailable
 from ..problems.envelope import SparseEnvelope
-from ..problems.sparse import SparseDecodeProblem
+from ..problems.sparse import UNPACKED, SparseDecodeProblem
 from .base import PreparedCall, SparseBackend
 from .flashinfer_wrapper import FA_HOPPER, WORKSPACE_BYTES
 
@@ -47,6 +47,7 @@ class Fa3SparseBackend(SparseBackend):
     def __init__(self, name: str = "fa3-sparse", envelope: SparseEnvelope = FA3_SPARSE_ENVELOPE,
                  fi_backend: str = "fa3"):
         self.name, self.envelope, self.fi_backend = name, envelope, fi_backend
+        self.widened_formats = tuple(f for f in envelope.formats if f != UNPACKED)  # the pool is bf16 rows
         self.description = "FlashInfer FA3 MLA decode as sparse decode (pages of one token, vLLM's SM90 path)"
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 

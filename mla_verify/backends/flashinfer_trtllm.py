@@ -17,7 +17,7 @@ import torch
 from ..core.platform import flashinfer_unavailable
 from ..problems.envelope import SparseEnvelope
 from ..problems.packed import FORMATS, unpack
-from ..problems.sparse import SparseDecodeProblem
+from ..problems.sparse import UNPACKED, SparseDecodeProblem
 from .base import PreparedCall, SparseBackend
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend, make_workspace, split_lse
 
@@ -124,6 +124,8 @@ class FlashInferSparseBackend(SparseBackend):
 
     def __init__(self, name: str, envelope: SparseEnvelope, fi_backend: str, description: str):
         self.name, self.envelope, self.fi_backend, self.description = name, envelope, fi_backend, description
+        if fi_backend == "trtllm-gen":  # a dense bf16 cache whatever the problem's format
+            self.widened_formats = tuple(f for f in envelope.formats if f != UNPACKED)
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:

@@ -4,10 +4,11 @@ Per case (batch, heads, max sequence length, page size, dtype, q_len) the benchm
 sets with ``build_problem`` -- the same ragged lengths, different values and page permutations -- enough
 that one round over them moves more than twice the L2 cache, so no call finds its inputs cached by the
 previous one. Every backend that can run the case is timed over that round (``bench_timing``), its output
-for the first set is checked against the float32 reference (whose own cost is recorded beside it), and
+for the first set is checked against the reference (whose own cost is recorded beside it), and
 the bytes and FLOPs the case must move give GB/s, TFLOP/s and the fraction of the device copy bandwidth
-measured in the same run. ``compare_results`` matches two runs case by case (backend + case key): the
-pre-merge gate (``--compare``) and the run-to-run agreement check are the same code.
+measured in the same run. Sparse (top-k) backends get sparse cases (bench/sparse.py), timed the same way into
+rows of the same schema (``kind`` "sparse"). ``compare_results`` matches two runs case by case (backend + case
+key): the pre-merge gate (``--compare``) and the run-to-run agreement check are the same code.
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
-from ..backends import Backend, requested_backends
+from ..backends import Backend, SparseBackend, requested_backends, split_sparse
+from ..backends.base import PreparedCall
 from ..core.cli_args import (
     OneLineParser,
     non_negative_int,
@@ -43,11 +45,22 @@ from ..core.cli_args import (
 from ..core.errors import MLAVerifyError, UsageError
 from ..problems.generate import DTYPES, ProblemSpec, build_problem
 from ..problems.layouts import LayoutSpec
+from ..problems.problem import DecodeProblem
 from ..records.fixtures import check_writable_dir, library_versions
 from ..run.harness import judge_reference
+from .sparse import (
+    SPARSE_AXES,
+    SPARSE_FORMULAS,
+    SPARSE_GRIDS,
+    SparseBenchCase,
+    check_sparse_axes,
+    sparse_workload,
+)
 from .timing import CudaTimer, Timer, WallClockTimer
+from .workload import Workload
 
-SCHEMA = "mla-verify-bench/1"
+SCHEMA = "mla-verify-bench/2"
+READABLE_SCHEMAS = ("mla-verify-bench/1", SCHEMA)  # /1: dense rows only, before the kind column
 # Default gate: 10% slower. Two runs of the same grid agree within 5% per case (3.4% on an H200,
 # docs/verified.md), so 2x that spread keeps false alarms rare while a 10% kernel slowdown is still caught.
 DEFAULT_THRESHOLD = 0.10
@@ -77,6 +90,8 @@ class BenchCase:
     dtype: str = "bf16"
     q_len: int = 1
 
+    kind: ClassVar[str] = "dense"
+
     @property
     def key(self) -> str:
         """Stable, readable case key: what ``compare_results`` matches on (with the backend name)."""
@@ -101,10 +116,14 @@ DEFAULT_AXES: dict[str, tuple[Any, ...]] = {
 GRIDS = {"default": DEFAULT_AXES, "anchor": {k: (getattr(ANCHOR, k),) for k in DEFAULT_AXES}}
 
 
-def make_grid(axes: Mapping[str, Sequence[Any]]) -> list[BenchCase]:
+Case = BenchCase | SparseBenchCase
+CASE_COLUMNS = list(dict.fromkeys([*DEFAULT_AXES, *SPARSE_AXES]))  # bench.csv: every axis of either kind
+
+
+def make_grid(axes: Mapping[str, Sequence[Any]], case_type: type[Case] = BenchCase) -> list[Case]:
     """Every combination of the axis values (the anchor case is one of the default grid's)."""
-    names = [f.name for f in fields(BenchCase)]
-    return [BenchCase(**dict(zip(names, values))) for values in itertools.product(*(axes[n] for n in names))]
+    names = [f.name for f in fields(case_type)]
+    return [case_type(**dict(zip(names, values))) for values in itertools.product(*(axes[n] for n in names))]
 
 
 # ---------------------------------------------------------------------------------------------- counting
@@ -116,6 +135,7 @@ FORMULAS = {  # recorded in every result; D = kv_lora_rank + rope (576), L = kv_
     "bytes": "sum(seq_lens)*D*itemsize + B*q_len*H*D*itemsize + B*q_len*H*L*2 (cache rows owned, query, bf16 out)",
     "flops": "2*(D+L)*H*sum_b(q_len*n_b - q_len*(q_len-1)/2) (causal: query token i sees n - q_len + i + 1 tokens)",
     "copy_fraction": "achieved bytes/s / device-to-device copy bytes/s (the copy's read + write counted)",
+    **SPARSE_FORMULAS,
 }
 
 
@@ -158,6 +178,7 @@ class BenchRow:
     key: str
     case: dict[str, Any]
     status: str  # ok | wrong (timed, but the output failed the sanity check) | skipped | error
+    kind: str = "dense"  # dense | sparse (a top-k case, bench/sparse.py)
     reason: str = ""
     case_id: str = ""  # ProblemSpec.case_id of input set 0
     method: str = ""
@@ -188,7 +209,7 @@ class BenchResult:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BenchResult:
-        if d.get("schema") != SCHEMA:
+        if d.get("schema") not in READABLE_SCHEMAS:
             raise UsageError(f"not a benchmark result (schema {d.get('schema')!r}, expected {SCHEMA!r})")
         return cls(d["meta"], [BenchRow(**c) for c in d["cases"]])
 
@@ -209,18 +230,20 @@ class BenchResult:
         columns = [f.name for f in fields(BenchRow) if f.name not in ("case", "samples_ms")]
         with paths[1].open("w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(list(DEFAULT_AXES) + columns)
+            w.writerow(CASE_COLUMNS + columns)
             for c in self.cases:
-                w.writerow([c.case[k] for k in DEFAULT_AXES] + [getattr(c, k) for k in columns])
+                w.writerow([c.case.get(k, "") for k in CASE_COLUMNS] + [getattr(c, k) for k in columns])
         write_svg(self, paths[2])
         return paths
 
     def table(self) -> str:
-        head = f"{'backend':<10} {'case':<30} {'method':<14} {'ms':>9} {'GB/s':>7} {'copy%':>6} " \
+        bw = max([10, *(len(c.backend) for c in self.timed())])
+        kw = max([30, *(len(c.key) for c in self.timed())])
+        head = f"{'backend':<{bw}} {'case':<{kw}} {'method':<14} {'ms':>9} {'GB/s':>7} {'copy%':>6} " \
                f"{'TFLOP/s':>8} {'ref ms':>8} {'rel err':>8}"
         lines = [head, "-" * len(head)]
         for c in self.timed():
-            lines.append(f"{c.backend:<10} {c.key:<30} {c.method:<14} {c.median_ms:>9.4f} {c.gbps:>7.0f} "
+            lines.append(f"{c.backend:<{bw}} {c.key:<{kw}} {c.method:<14} {c.median_ms:>9.4f} {c.gbps:>7.0f} "
                          f"{_pct(c.copy_fraction):>6} {c.tflops:>8.2f} {_num(c.reference_ms, '.1f'):>8} "
                          f"{_num(c.rel_l2, '.1e'):>8}" + ("  WRONG" if c.status == "wrong" else ""))
         untimed = Counter((c.backend, c.status, c.reason) for c in self.cases if c.median_ms is None)
@@ -240,7 +263,16 @@ def _pct(x: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- run
-Resolver = Callable[[list[str] | None, list[str] | None], list[Backend]]  # (--backend names, --kernel targets)
+AnyBackend = Backend | SparseBackend
+Resolver = Callable[[list[str] | None, list[str] | None], list[AnyBackend]]  # (--backend names, --kernel targets)
+
+
+def requested(names: list[str] | None, kernels: list[str] | None) -> list[AnyBackend]:
+    """The backends ``--backend``/``--kernel`` name, dense and sparse; with neither, every registered one."""
+    sparse, dense_kernels, dense_names = split_sparse(kernels, names)
+    named = bool(names or kernels)
+    dense = requested_backends(dense_names, dense_kernels) if dense_names or dense_kernels or not named else []
+    return [*dense, *(b for b, _ in sparse)]
 
 
 def pick_layout(backend: Backend, spec: ProblemSpec, device: torch.device) -> tuple[LayoutSpec | None, str]:
@@ -260,11 +292,12 @@ def default_timer(device: torch.device, samples: int | None = None) -> Timer:
     return WallClockTimer(samples=samples) if samples else WallClockTimer()
 
 
-def run_bench(backends: Sequence[Backend], grid: Sequence[BenchCase], device: torch.device | str, *,
+def run_bench(backends: Sequence[AnyBackend], grid: Sequence[Case], device: torch.device | str, *,
               timer: Timer | None = None, seed: int = 0, reference: bool = True, use_graphs: bool = True,
               log: Callable[[str], None] = lambda s: None,
               checkpoint: Callable[[BenchResult], object] | None = None) -> BenchResult:
-    """Time every backend on every grid case it can run; ``timer`` defaults to CUDA graphs/events on a GPU.
+    """Time every backend on every grid case of its kind it can run (dense backends on ``BenchCase``s, sparse
+    ones on ``SparseBenchCase``s); ``timer`` defaults to CUDA graphs/events on a GPU.
 
     ``checkpoint`` gets the partial result (``meta["complete"]`` False) after every case, so a run cut short
     by a time limit still leaves the cases it finished.
@@ -276,45 +309,65 @@ def run_bench(backends: Sequence[Backend], grid: Sequence[BenchCase], device: to
     log(f"device copy bandwidth: {_num(copy_bps and copy_bps / 1e9, '.0f')} GB/s; L2 {l2 / 2**20:.0f} MiB")
     result = BenchResult(_meta(device, grid, [b.name for b in backends], timer, seed, l2, copy_bps, reference), [])
     result.meta["complete"] = False
+    dense = [b for b in backends if isinstance(b, Backend)]
+    sparse = [b for b in backends if isinstance(b, SparseBackend)]
     for case in grid:
-        result.cases += _run_case(backends, case, device, timer, seed, reference, use_graphs, l2, copy_bps, log)
+        work = sparse_workload(case, sparse, device, seed) if isinstance(case, SparseBenchCase) \
+            else dense_workload(case, dense, device, seed)
+        result.cases += _time_case(work, device, timer, reference, use_graphs, l2, copy_bps, log)
         if checkpoint is not None:
             checkpoint(result)
     result.meta["complete"] = True
     return result
 
 
-def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device, timer: Timer, seed: int,
-              reference: bool, use_graphs: bool, l2: int, copy_bps: float | None,
-              log: Callable[[str], None]) -> list[BenchRow]:
+def dense_workload(case: BenchCase, backends: Sequence[Backend], device: torch.device, seed: int) -> Workload:
     spec0 = case.spec(seed)
-    base: dict[str, Any] = dict(case=asdict(case), case_id=spec0.case_id(), bytes=case_bytes(spec0),
-                                flops=case_flops(spec0))
-    rows, runnable = [], []
+    work = Workload("dense", case.key, asdict(case), spec0.case_id(), case_bytes(spec0), case_flops(spec0),
+                    functools.partial(_build_dense, case, seed, device), _dense_reference_out)
     for b in backends:
         layout, reason = pick_layout(b, spec0, device)
         if layout is None:
-            rows.append(BenchRow(b.name, case.key, status="skipped", reason=reason, **base))
+            work.skipped.append((b.name, reason))
         else:
-            runnable.append((b, layout))
-    if not runnable:
+            work.runnable.append((b.name, functools.partial(_prepare_dense, b, layout)))
+    return work
+
+
+def _build_dense(case: BenchCase, seed: int, device: torch.device, input_set: int) -> DecodeProblem:
+    return build_problem(case.spec(seed, input_set), device)
+
+
+def _dense_reference_out(problem: DecodeProblem) -> torch.Tensor:
+    return judge_reference(problem).out
+
+
+def _prepare_dense(backend: Backend, layout: LayoutSpec, problem: DecodeProblem) -> PreparedCall:
+    return backend.prepare(problem, layout)
+
+
+def _time_case(work: Workload, device: torch.device, timer: Timer, reference: bool, use_graphs: bool, l2: int,
+               copy_bps: float | None, log: Callable[[str], None]) -> list[BenchRow]:
+    base: dict[str, Any] = dict(kind=work.kind, case=work.case, case_id=work.case_id, bytes=work.bytes,
+                                flops=work.flops)
+    rows = [BenchRow(name, work.key, status="skipped", reason=reason, **base) for name, reason in work.skipped]
+    if not work.runnable:
         return rows
-    n_sets = rotation_sets(base["bytes"], l2)
-    problems = [build_problem(case.spec(seed, i), device) for i in range(n_sets)]
-    ref, ref_s = timer.once(functools.partial(judge_reference, problems[0])) if reference \
-        else (None, None)
-    for b, layout in runnable:
-        row = BenchRow(b.name, case.key, status="ok", sets=n_sets, **base,
-                         reference_ms=None if ref_s is None else ref_s * 1e3)
+    n_sets = rotation_sets(work.bytes, l2)
+    problems = [work.build(i) for i in range(n_sets)]
+    ref, ref_s = timer.once(functools.partial(work.reference, problems[0])) if reference else (None, None)
+    for name, prepare in work.runnable:
+        row = BenchRow(name, work.key, status="ok", sets=n_sets, **base,
+                       reference_ms=None if ref_s is None else ref_s * 1e3)
         try:
-            calls = [b.prepare(p, layout) for p in problems]
+            calls = [prepare(p) for p in problems]
             armed = timer.arm(calls, use_graphs)
             timing = timer.measure(armed)
             out = calls[0].judged(armed.results[0])[0]
         except Exception as e:  # one backend failing on one case must not hide the others' numbers
             row.status, row.reason = "error", f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
             rows.append(row)
-            log(f"{b.name} {case.key}: {row.reason}")
+            log(f"{name} {work.key}: {row.reason}")
             continue
         seconds = timing.median_s
         row.method, row.note, row.spread = timing.method, timing.note, timing.spread
@@ -322,13 +375,13 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
         row.gbps, row.tflops = row.bytes / seconds / 1e9, row.flops / seconds / 1e12
         row.copy_fraction = row.bytes / seconds / copy_bps if copy_bps else None
         if ref is not None:
-            r = ref.out.to(out.device)
+            r = ref.to(out.device)
             row.rel_l2 = float((out.float() - r).norm() / r.norm().clamp_min(1e-30))
             if not row.rel_l2 <= SANITY_REL_L2:  # NaN fails too
                 row.status = "wrong"
                 row.reason = f"output of the timed call is off: rel L2 error {row.rel_l2:.3g} > {SANITY_REL_L2}"
         rows.append(row)
-        log(f"{b.name:<10} {case.key:<30} {row.median_ms:.4f} ms {row.gbps:.0f} GB/s ({timing.method}, {n_sets} sets)")
+        log(f"{name:<10} {work.key:<30} {row.median_ms:.4f} ms {row.gbps:.0f} GB/s ({timing.method}, {n_sets} sets)")
         del calls, armed
     del problems, ref
     if device.type == "cuda":
@@ -336,7 +389,7 @@ def _run_case(backends: Sequence[Backend], case: BenchCase, device: torch.device
     return rows
 
 
-def _meta(device: torch.device, grid: Sequence[BenchCase], backends: list[str], timer: Timer, seed: int, l2: int,
+def _meta(device: torch.device, grid: Sequence[Case], backends: list[str], timer: Timer, seed: int, l2: int,
           copy_bps: float | None, reference: bool) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (pyplatform.processor() or "cpu")
     return {
@@ -349,7 +402,7 @@ def _meta(device: torch.device, grid: Sequence[BenchCase], backends: list[str], 
         "reference": ("the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs), one "
                       "wall-clock run per case") if reference else "skipped",
         "formulas": FORMULAS,
-        "grid": [asdict(c) for c in grid],
+        "grid": [{"kind": c.kind, **asdict(c)} for c in grid],
     }
 
 
@@ -428,16 +481,21 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``mla-verify bench`` options."""
     parser.add_argument("--backend", action="append", dest="backends", metavar="NAME",
-                        help="backend to time (repeatable); default: every backend that can run here")
+                        help="backend to time, dense or sparse (repeatable); default: every backend that can run "
+                             "here")
     parser.add_argument("--kernel", action="append", dest="kernels", metavar="MODULE:ATTR",
-                        help="time a Contract-1 callable instead (repeatable)")
+                        help="time a Contract-1 callable, or a SparseBackend instance, instead (repeatable)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (CPU backends, wall clock)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="default", help="preset grid (default: %(default)s)")
-    for axis, metavar in (("batch", "B,..."), ("heads", "H,..."), ("max-seq-len", "S,..."),
-                          ("page-size", "P,..."), ("q-len", "Q,...")):
-        parser.add_argument(f"--{axis}", type=_ints, metavar=metavar, help=f"override the grid's {axis} axis")
+    for axis, metavar, which in (("batch", "B,...", "grids'"), ("heads", "H,...", "grids'"),
+                                 ("max-seq-len", "S,...", "dense grid's"), ("page-size", "P,...", "grids'"),
+                                 ("q-len", "Q,...", "grids'"), ("topk", "K,...", "sparse grid's"),
+                                 ("context", "C,...", "sparse grid's")):
+        parser.add_argument(f"--{axis}", type=_ints, metavar=metavar, help=f"override the {which} {axis} axis")
     parser.add_argument("--dtype", type=lambda s: tuple(s.split(",")), metavar="D,...",
-                        help=f"override the grid's dtype axis ({', '.join(DTYPES)})")
+                        help=f"override the dense grid's dtype axis ({', '.join(DTYPES)})")
+    parser.add_argument("--format", dest="fmt", type=lambda s: tuple(s.split(",")), metavar="F,...",
+                        help=f"override the sparse grid's cache format axis ({', '.join(SPARSE_AXES['fmt'])})")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the ragged lengths and values")
     parser.add_argument("--samples", type=positive_int, help="timed blocks per case (median reported)")
     parser.add_argument("--no-reference", action="store_true", help="skip timing (and checking against) the reference")
@@ -460,7 +518,7 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
             check_writable_dir(ns.out, "--out")
         baseline = BenchResult.load(ns.compare) if ns.compare else None
         result = BenchResult.load(ns.result) if ns.result else \
-            _run_from_options(ns, resolve or requested_backends, timer)
+            _run_from_options(ns, resolve or requested, timer)
         if ns.out is not None:
             for path in result.save(ns.out):
                 print(f"wrote {path}")
@@ -477,14 +535,19 @@ def bench_command(ns: argparse.Namespace, resolve: Resolver | None = None, timer
     return 1 if comparison.regressions else 0
 
 
+def _axes(ns: argparse.Namespace, preset: Mapping[str, Sequence[Any]]) -> dict[str, Sequence[Any]]:
+    """``preset`` with the axes the command line overrides (an option's dest is its axis's name)."""
+    return {axis: getattr(ns, axis, None) or values for axis, values in preset.items()}
+
+
 def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | None) -> BenchResult:
     device = _device(ns.device)
-    axes = dict(GRIDS[ns.grid])
-    axes.update({axis: getattr(ns, axis) for axis in DEFAULT_AXES if getattr(ns, axis, None)})
+    axes, sparse_axes = _axes(ns, GRIDS[ns.grid]), _axes(ns, SPARSE_GRIDS[ns.grid])
     unknown = [d for d in axes["dtype"] if d not in DTYPES]
     if unknown:
         raise UsageError(f"--dtype: unknown {unknown} (known: {', '.join(DTYPES)})")
-    backends = []
+    check_sparse_axes(sparse_axes)
+    backends: list[AnyBackend] = []
     named = bool(ns.backends or ns.kernels)
     for b in resolve(ns.backends, ns.kernels):
         reason = b.unavailable_reason(device)
@@ -496,7 +559,10 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
             backends.append(b)
     if not backends:
         raise UsageError(f"no backend can run on {device}")
-    result = run_bench(backends, make_grid(axes), device, timer=timer or default_timer(device, ns.samples),
+    grid = make_grid(axes) if any(isinstance(b, Backend) for b in backends) else []
+    if any(isinstance(b, SparseBackend) for b in backends):
+        grid += make_grid(sparse_axes, SparseBenchCase)
+    result = run_bench(backends, grid, device, timer=timer or default_timer(device, ns.samples),
                        seed=ns.seed, reference=not ns.no_reference, use_graphs=not ns.no_graphs,
                        log=lambda line: print(line, file=sys.stderr, flush=True),  # progress: stderr
                        checkpoint=None if ns.out is None else lambda partial: partial.save(ns.out))

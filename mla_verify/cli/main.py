@@ -146,6 +146,7 @@ def cpu_run_settings(threads: int = 1) -> None:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
+    from ..backends import split_sparse
     from ..draw.hypothesis_db import resolve_database
     from ..draw.profiles import get_profile
     from ..judge.selfcheck import reference_selfcheck
@@ -165,7 +166,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.engine import verify
     from ..run.progress import Progress
     from ..run.warmup import warm_up
-    from .sparse import check_sparse, require_runnable, split_sparse
+    from .sparse import check_sparse, require_runnable
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device

@@ -24,26 +24,6 @@ from ..run.sparse_check import SparseCaseResult, run_sparse_case, verify_sparse
 KIND = "sparse-regression"
 
 
-def split_sparse(kernels: list[str] | None, names: list[str] | None
-                 ) -> tuple[list[tuple[SparseBackend, str | None]], list[str] | None, list[str] | None]:
-    """(the sparse backends asked for, each with its --kernel target or None; the other --kernel targets; the
-    other --backend names). With neither flag given, every built-in sparse backend."""
-    registry = sparse_backends()
-    if not kernels and not names:
-        return [(b, None) for b in registry.values()], kernels, names
-    sparse: list[tuple[SparseBackend, str | None]] = []
-    dense_kernels = []
-    for target in kernels or []:
-        obj = resolve_kernel(target)[2]
-        if isinstance(obj, SparseBackend):
-            sparse.append((obj, target))
-        else:
-            dense_kernels.append(target)
-    dense_names = [n for n in names or [] if n not in registry]
-    sparse += [(registry[n], None) for n in dict.fromkeys(names or []) if n in registry]
-    return sparse, dense_kernels or None, dense_names or None
-
-
 def require_runnable(chosen: list[tuple[SparseBackend, str | None]], device: torch.device) -> None:
     """A sparse backend the user named must be able to run here: else a UsageError, before any case runs."""
     for backend, _ in chosen:

@@ -1,0 +1,25 @@
+"""One grid case as the timing loop (``measure._time_case``) sees it, dense or sparse: what its rows record, how
+to build its input sets and its reference, and which backends run it (each with its prepare) or why not."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backends.base import PreparedCall
+
+
+@dataclass
+class Workload:
+    kind: str  # "dense" | "sparse": the row's kind
+    key: str  # what compare_results matches on, with the backend name
+    case: dict[str, Any]  # the grid point's axes
+    case_id: str  # the problem's case_id of input set 0
+    bytes: int  # what the case must move (docs/bench.md, "What the numbers mean")
+    flops: int
+    build: Callable[[int], Any]  # input set i -> its problem, on the device
+    reference: Callable[[Any], torch.Tensor]  # problem -> the reference out [B, q_len, H, 512]
+    runnable: list[tuple[str, Callable[[Any], PreparedCall]]] = field(default_factory=list)  # (backend, prepare)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (backend, why not)
