@@ -57,7 +57,7 @@ from .sparse import (
     sparse_workload,
 )
 from .timing import CudaTimer, Timer, WallClockTimer
-from .workload import Workload
+from .workload import GridCase, Workload
 
 SCHEMA = "mla-verify-bench/2"
 READABLE_SCHEMAS = ("mla-verify-bench/1", SCHEMA)  # /1: dense rows only, before the kind column
@@ -80,7 +80,7 @@ LAYOUT_CHOICES = (LayoutSpec(3, 0, "native", True, False), LayoutSpec(4, 0, "nat
 
 
 @dataclass(frozen=True)
-class BenchCase:
+class BenchCase(GridCase):
     """One grid point. Lengths are drawn uniformly in [q_len, max_seq_len] from a seeded RNG."""
 
     batch: int
@@ -91,12 +91,7 @@ class BenchCase:
     q_len: int = 1
 
     kind: ClassVar[str] = "dense"
-
-    @property
-    def key(self) -> str:
-        """Stable, readable case key: what ``compare_results`` matches on (with the backend name)."""
-        return (f"B{self.batch}-H{self.heads}-S{self.max_seq_len}-p{self.page_size}-{self.dtype}"
-                f"-q{self.q_len}")
+    KEY: ClassVar[str] = "B{batch}-H{heads}-S{max_seq_len}-p{page_size}-{dtype}-q{q_len}"
 
     def seq_lens(self, seed: int) -> tuple[int, ...]:
         rng = random.Random(f"mla-verify-bench:{self.batch}:{self.max_seq_len}:{self.q_len}:{seed}")

@@ -20,11 +20,11 @@ from ..core.errors import UsageError
 from ..problems.packed import FORMATS
 from ..problems.sparse import D_V, SPARSE_FORMATS, SparseDecodeProblem, SparseSpec, build_sparse_problem
 from ..problems.sparse_reference import sparse_reference
-from .workload import Workload
+from .workload import GridCase, Workload
 
 
 @dataclass(frozen=True)
-class SparseBenchCase:
+class SparseBenchCase(GridCase):
     """One sparse grid point; ``context`` is the cache tokens per request (the pool holds batch x context)."""
 
     batch: int
@@ -36,12 +36,8 @@ class SparseBenchCase:
     context: int = 16384
 
     kind: ClassVar[str] = "sparse"
-
-    @property
-    def key(self) -> str:
-        """Stable, readable case key (``sparse-`` first: no dense key starts so)."""
-        return (f"sparse-{self.fmt}-B{self.batch}-H{self.heads}-K{self.topk}-C{self.context}-p{self.page_size}"
-                f"-q{self.q_len}")
+    # "sparse-" first: no dense key starts so
+    KEY: ClassVar[str] = "sparse-{fmt}-B{batch}-H{heads}-K{topk}-C{context}-p{page_size}-q{q_len}"
 
     def spec(self, seed: int, input_set: int = 0) -> SparseSpec:
         """Input set ``input_set``: the same sizes, fresh values, pages and slots."""

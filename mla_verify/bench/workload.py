@@ -1,14 +1,27 @@
-"""One grid case as the timing loop (``measure._time_case``) sees it, dense or sparse: what its rows record, how
-to build its input sets and its reference, and which backends run it (each with its prepare) or why not."""
+"""A grid case, dense or sparse, and what the timing loop (``measure._time_case``) needs of it: what its rows
+record, how to build its input sets and its reference, and which backends run it (each with its prepare) or why
+not."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..backends.base import PreparedCall
+
+
+class GridCase:
+    """A grid point (a frozen dataclass of its axes): its rows' kind, and its key from ``KEY``."""
+
+    kind: ClassVar[str]
+    KEY: ClassVar[str]  # str.format template over the axes
+
+    @property
+    def key(self) -> str:
+        """Stable, readable case key: what ``compare_results`` matches on (with the backend name)."""
+        return self.KEY.format(**vars(self))
 
 
 @dataclass
