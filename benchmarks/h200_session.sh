@@ -12,7 +12,8 @@
 # parallel (gputests, probe and fuzz at once), final (fuzz, gputests and premerge at once, GPU memory sampled
 # each second), flashmla (issue 29's gate: premerge of flashmla and its GPU tests, only once doctor names the
 # sgl-flash-mla wheel), isolation (the cost of check --isolate: benchmarks/isolation_cost.sh, after warm).
-# FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", GPU_TESTS (the test paths) to tests. fuzz and
+# FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", BENCH_BACKENDS to "fa2 fa3" (sparse ones get the
+# sparse grid; BENCH_ARGS adds bench options, e.g. "--grid anchor"), GPU_TESTS (the test paths) to tests. fuzz and
 # premerge run isolated (check's default on CUDA); the crash tests alone:
 # GPU_TESTS=tests/gpu/test_crash_gpu.py ... gputests.
 set -uo pipefail
@@ -77,8 +78,10 @@ for phase in "$@"; do
     refbench)
       python3 benchmarks/reference_vs_fa3.py --profile --out "$R/refbench" 2>&1 | tee "$R/refbench.log" ;;
     bench)
-      $MV bench --device cuda --backend fa2 --backend fa3 --out "$R/bench1" 2>&1 | tee "$R/bench1.log"
-      $MV bench --device cuda --backend fa2 --backend fa3 --out "$R/bench2" 2>&1 | tee "$R/bench2.log"
+      for run in bench1 bench2; do
+        $MV bench --device cuda $(printf -- "--backend %s " ${BENCH_BACKENDS:-fa2 fa3}) ${BENCH_ARGS:-} \
+          --out "$R/$run" 2>&1 | tee "$R/$run.log"
+      done
       $MV bench --result "$R/bench2/bench.json" --compare "$R/bench1/bench.json" --threshold 0.05 \
         2>&1 | tee "$R/bench_agreement.log" ;;
     fuzz)

@@ -175,7 +175,7 @@ class BenchRow:
     status: str  # ok | wrong (timed, but the output failed the sanity check) | skipped | error
     kind: str = "dense"  # dense | sparse (a top-k case, bench/sparse.py)
     reason: str = ""
-    case_id: str = ""  # ProblemSpec.case_id of input set 0
+    case_id: str = ""  # the case_id of input set 0's ProblemSpec (sparse: SparseSpec)
     method: str = ""
     note: str = ""
     sets: int = 0
@@ -394,8 +394,9 @@ def _meta(device: torch.device, grid: Sequence[Case], backends: list[str], timer
         "copy_gbps": None if copy_bps is None else copy_bps / 1e9,
         "timer": {"class": type(timer).__name__, "samples": getattr(timer, "samples", None),
                   "min_block_s": getattr(timer, "min_block_s", None), "rotate_factor": ROTATE_FACTOR},
-        "reference": ("the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs), one "
-                      "wall-clock run per case") if reference else "skipped",
+        "reference": ("the harness's reference (judge_reference: fast mode on GPUs, float64 on CPUs; sparse rows: "
+                      "sparse_reference, float32 on GPUs, float64 on CPUs), one wall-clock run per case")
+        if reference else "skipped",
         "formulas": FORMULAS,
         "grid": [{"kind": c.kind, **asdict(c)} for c in grid],
     }
@@ -481,12 +482,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel", action="append", dest="kernels", metavar="MODULE:ATTR",
                         help="time a Contract-1 callable, or a SparseBackend instance, instead (repeatable)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (CPU backends, wall clock)")
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="default", help="preset grid (default: %(default)s)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="default",
+                        help="preset grids, dense and sparse (default: %(default)s)")
     for axis, metavar, which in (("batch", "B,...", "grids'"), ("heads", "H,...", "grids'"),
                                  ("max-seq-len", "S,...", "dense grid's"), ("page-size", "P,...", "grids'"),
                                  ("q-len", "Q,...", "grids'"), ("topk", "K,...", "sparse grid's"),
                                  ("context", "C,...", "sparse grid's")):
-        parser.add_argument(f"--{axis}", type=_ints, metavar=metavar, help=f"override the {which} {axis} axis")
+        parser.add_argument(f"--{axis}", type=_ints, metavar=metavar, help=f"override the {which} {axis} axis"
+                            + (" (cache tokens per request)" if axis == "context" else ""))
     parser.add_argument("--dtype", type=lambda s: tuple(s.split(",")), metavar="D,...",
                         help=f"override the dense grid's dtype axis ({', '.join(DTYPES)})")
     parser.add_argument("--format", dest="fmt", type=lambda s: tuple(s.split(",")), metavar="F,...",
