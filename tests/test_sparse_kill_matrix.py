@@ -5,7 +5,8 @@ import pytest
 
 from mla_verify.judge.sparse_judge import CATALOG, SINK_IN_LSE
 from mla_verify.kernels.sparse_mutants import SPARSE_MUTANTS, SparseFaults, stand_in_backend
-from mla_verify.run.sparse_check import run_sparse_case, verify_sparse
+from mla_verify.run.sparse_case import run_sparse_case
+from mla_verify.run.sparse_check import verify_sparse
 
 # premerge's corner cases catch every mutant; 12 drawn cases on top keep the CPU time small (~5 s in all)
 DRAWN = 12

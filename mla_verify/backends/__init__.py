@@ -22,7 +22,8 @@ from .base import Backend, Envelope, PreparedCall, SparseBackend
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
 __all__ = ["Backend", "Envelope", "PreparedCall", "SparseBackend", "ENTRY_POINT_GROUP", "builtin_backends",
-           "all_backends", "get_backend", "named_backend", "requested_backends", "sparse_backends", "split_sparse"]
+           "all_backends", "get_backend", "named_backend", "named_sparse_backend", "requested_backends",
+           "sparse_backends", "split_sparse"]
 
 
 def builtin_backends() -> list[Backend]:
@@ -87,6 +88,19 @@ def named_backend(name: str, source: object = None) -> Backend:
     return load_kernel(name, recorded=source) if ":" in name else get_backend(name)
 
 
+def named_sparse_backend(target: str, source: object = None) -> SparseBackend:
+    """A sparse backend by its registered name, or a ``MODULE:ATTR`` naming a ``SparseBackend`` instance (loaded
+    first from ``source``, as ``named_backend``)."""
+    from .user_kernel import sparse_kernel
+
+    registry = sparse_backends()
+    backend = sparse_kernel(target, recorded=source) if ":" in target else registry.get(target)
+    if backend is None:
+        raise UsageError(f"{target} is not a sparse backend (known: {', '.join(registry)}, or MODULE:ATTR naming "
+                         "a SparseBackend)")
+    return backend
+
+
 def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None) -> list[Backend]:
     """The ``--kernel`` callables, else the ``--backend`` names (each once), else every registered backend."""
     from .user_kernel import load_kernel
@@ -100,7 +114,7 @@ def split_sparse(kernels: list[str] | None, names: list[str] | None
                  ) -> tuple[list[tuple[SparseBackend, str | None]], list[str] | None, list[str] | None]:
     """(the sparse backends asked for, each with its --kernel target or None; the other --kernel targets; the
     other --backend names). With neither flag given, every built-in sparse backend."""
-    from .user_kernel import resolve_kernel
+    from .user_kernel import sparse_kernel
 
     registry = sparse_backends()
     if not kernels and not names:
@@ -108,9 +122,8 @@ def split_sparse(kernels: list[str] | None, names: list[str] | None
     sparse: list[tuple[SparseBackend, str | None]] = []
     dense_kernels = []
     for target in kernels or []:
-        obj = resolve_kernel(target)[2]
-        if isinstance(obj, SparseBackend):
-            sparse.append((obj, target))
+        if (backend := sparse_kernel(target)) is not None:
+            sparse.append((backend, target))
         else:
             dense_kernels.append(target)
     dense_names = [n for n in names or [] if n not in registry]

@@ -109,6 +109,7 @@ class SparseBackend(ABC):
     # formats whose packed bytes the kernel never sees: ``prepare`` widens such a problem's cache to bf16 rows
     # (outside the call), so the kernel's traffic is the bf16 problem's (the bench times those as bf16 only)
     widened_formats: tuple[str, ...] = ()
+    source: dict[str, str] | None = None  # a --kernel one's: where it was loaded from (Backend.source)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return device_reason(self.envelope, device)

@@ -25,7 +25,7 @@ from ..core.errors import UsageError, did_you_mean
 from ..core.tracebacks import exception_line
 from ..problems.generate import DTYPES
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
-from .base import Envelope
+from .base import Envelope, SparseBackend
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
 ENVELOPE_ATTR = "mla_verify_envelope"
@@ -111,6 +111,16 @@ def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> Tr
     backend = kernel_backend(fn, target)
     backend.source = _source_of(target.rpartition(":")[0], module)
     return backend
+
+
+def sparse_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> SparseBackend | None:
+    """The ``SparseBackend`` instance ``target`` (MODULE:ATTR, as ``load_kernel`` reads it) names, with where it
+    was loaded from (``source``); None when it names something else."""
+    module, _, obj = resolve_kernel(target, flag, recorded)
+    if not isinstance(obj, SparseBackend):
+        return None
+    obj.source = _source_of(target.rpartition(":")[0], module)
+    return obj
 
 
 def resolve_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> tuple[ModuleType, str, Any]:

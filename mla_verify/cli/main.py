@@ -231,7 +231,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
             break
 
     sparse_failed = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.minutes,
-                                 ns.fixtures_dir)
+                                 ns.fixtures_dir, isolate, ns.case_timeout)
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -318,6 +318,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..backends import Backend, named_backend
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
+    from ..records.failure import crash_line
     from ..records.fixtures import load_fixture
     from ..run import watchdog
     from ..run.isolate import InProcess, Isolated
@@ -325,7 +326,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
 
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not when the kernel hangs
     if (sparse := sparse_fixture(ns.fixture)) is not None:
-        failed = replay_sparse(sparse, ns.fixture, ns.backend, ns.kernel, ns.device)
+        failed = replay_sparse(sparse, ns.fixture, ns.backend, ns.kernel, ns.device, ns.isolate, ns.case_timeout)
         return EXIT_DISCREPANCY if failed else EXIT_OK
     fx = load_fixture(ns.fixture)
     if fx.spec is None:
@@ -367,7 +368,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     finally:
         judge.close()
     if result.crash or fx.meta.get("crash"):
-        print(f"  {_crash_line(result.crash, fx.meta.get('crash'))}")
+        print(f"  {crash_line(result.crash, fx.meta.get('crash'))}")
     for f in result.failures:
         print(f"  - {f}")
     for d in result.diagnosis:
@@ -376,15 +377,6 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     print(f"verdict: {result.verdict.upper()}" + (f" (recorded: {str(fx.meta['verdict']).upper()})"
                                                   if fx.meta.get("verdict") else ""))
     return EXIT_DISCREPANCY if result.verdict == "fail" else EXIT_OK
-
-
-def _crash_line(now: str, recorded: str | None) -> str:
-    """How a replay's crash compares with the recorded one."""
-    if not now:
-        return f"did not crash (recorded: {recorded})"
-    if now == recorded:
-        return f"crashed again (same signal/error): {now}"
-    return f"crashed again: {now}" + (f" (recorded: {recorded})" if recorded else " (recorded: no crash)")
 
 
 def _replay_device(recorded: str | None) -> torch.device:

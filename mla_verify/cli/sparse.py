@@ -4,7 +4,9 @@ A sparse backend is named like any other (``--backend flashmla-sparse``) or give
 naming a ``SparseBackend`` instance (``mla_verify.kernels.sparse_mutants:<mutant>`` are such). Its run is
 ``run/sparse_check.py``'s: the verdict, the shrunk failing case with its diagnosis, and a reproducer -- a JSON
 file holding the spec, which rebuilds the problem bit for bit on the same device type -- that
-``mla-verify replay`` re-runs.
+``mla-verify replay`` re-runs. Cases are isolated as dense ones are (``--isolate``, run/isolate.py): a crash is
+a failing case; in-process, the case in flight is written first (records/failure.py's ``in_flight_path``), so
+that a crash of the whole process leaves it to replay.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ from typing import Any
 
 import torch
 
-from ..backends import SparseBackend, sparse_backends
-from ..backends.user_kernel import resolve_kernel
+from ..backends import SparseBackend, named_sparse_backend
 from ..core.errors import FixtureError, UsageError
 from ..draw.profiles import Profile
 from ..problems.sparse import SparseSpec
-from ..run.sparse_check import SparseCaseResult, run_sparse_case, verify_sparse
+from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_path
+from ..records.fixtures import overwrite_in_place
+from ..run.isolate import sparse_case_judge
+from ..run.sparse_case import SparseCaseResult
+from ..run.sparse_check import verify_sparse
 
 KIND = "sparse-regression"
 
@@ -32,47 +37,77 @@ def require_runnable(chosen: list[tuple[SparseBackend, str | None]], device: tor
 
 
 def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.device, profile: Profile,
-                 seed: int | None, max_examples: int | None, minutes: float | None, fixtures_dir: Path) -> bool:
+                 seed: int | None, max_examples: int | None, minutes: float | None, fixtures_dir: Path,
+                 isolate: bool = False, case_timeout: float | None = None) -> bool:
     """Run each sparse backend; print its summary and, on failure, the case, diagnosis and reproducer. True if
-    any failed."""
+    any failed. In-process, each case is written to the in-flight record before it runs."""
     failed = False
+    in_flight = in_flight_path(fixtures_dir)
     for backend, _ in chosen:
         if (reason := backend.unavailable_reason(device)) is not None:
             print(f"skipped {backend.name}: {reason}", flush=True)
     for backend, target in chosen:
         if backend.unavailable_reason(device) is not None:
             continue
-        run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0, minutes=minutes)
+        if not isolate:
+            fixtures_dir.mkdir(parents=True, exist_ok=True)
+            print(f"in-process: the case in flight is kept in {in_flight} while it runs (if this run dies, "
+                  f"`mla-verify replay {in_flight}` re-runs it)", flush=True)
+
+        def starting(spec: SparseSpec, backend: SparseBackend = backend, target: str | None = target) -> None:
+            meta = _record(backend, target, spec, device, "fail", [IN_FLIGHT_REASON], [], "the process died")
+            overwrite_in_place(in_flight, _json(meta))  # written over for each case: no rename, no sync
+
+        run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0, minutes=minutes,
+                            isolate=isolate, kernel_seconds=case_timeout, on_start=None if isolate else starting,
+                            target=target)
+        in_flight.unlink(missing_ok=True)
         counts = {v: sum(c.verdict == v for c in run.cases) for v in ("pass", "fail", "skip")}
         n = len(run.cases)
         print(f"{backend.name}: {run.verdict.upper()} -- {n} sparse case{'s' * (n != 1)} ({counts['pass']} passed, "
               f"{counts['fail']} failed, {counts['skip']} skipped)", flush=True)
         if run.failure is not None:
             failed = True
-            path = save_sparse_reproducer(fixtures_dir, run.failure, target, device)
+            path = save_sparse_reproducer(fixtures_dir, run.failure, backend, target, device)
             print("\n" + "\n".join(failure_lines(run.failure, path)))
     return failed
 
 
 def failure_lines(case: SparseCaseResult, path: Path | None) -> list[str]:
     lines = [f"FAIL {case.describe()}", *(f"  - {f}" for f in case.failures)]
-    lines += [f"  diagnosis: {d}" for d in case.diagnosis] or ["  diagnosis: no known sparse misreading explains it"]
+    if not case.crash:  # a crash left no output to diagnose
+        lines += [f"  diagnosis: {d}" for d in case.diagnosis] or \
+            ["  diagnosis: no known sparse misreading explains it"]
     if path is not None:
         lines += [f"  reproducer: {path}", f"  replay with: mla-verify replay {path}"]
+        if case.crash:  # docs/judging.md, "A crash"
+            lines.append(f"  where it faults: `mla-verify replay {path} --no-isolate` under compute-sanitizer "
+                         "(GPU) or gdb (CPU), docs/judging.md")
     return lines
 
 
-def save_sparse_reproducer(directory: Path, case: SparseCaseResult, target: str | None,
+def save_sparse_reproducer(directory: Path, case: SparseCaseResult, backend: SparseBackend, target: str | None,
                            device: torch.device) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"sparse-{case.spec.case_id()}.json"
-    meta = {"kind": KIND, "backend": target or case.backend, "spec": case.spec.to_json(),
-            "source_device": device.type, "verdict": case.verdict, "failures": case.failures,
-            "diagnosis": case.diagnosis, "description": case.describe()}
+    meta = _record(backend, target, case.spec, device, case.verdict, case.failures, case.diagnosis, case.crash)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.write_bytes(_json(meta))
     tmp.replace(path)  # nothing half-written
     return path
+
+
+def _record(backend: SparseBackend, target: str | None, spec: SparseSpec, device: torch.device, verdict: str,
+            failures: list[str], diagnosis: list[str], crash: str) -> dict[str, Any]:
+    """A sparse reproducer's fields: the backend by what it was named by, and where a --kernel was loaded from."""
+    return {"kind": KIND, "backend": target or backend.name, "spec": spec.to_json(), "source_device": device.type,
+            "verdict": verdict, "failures": failures, "diagnosis": diagnosis,
+            "description": f"[{backend.name}] {spec.describe()}", **({"crash": crash} if crash else {}),
+            **({"kernel_source": backend.source} if backend.source else {})}
+
+
+def _json(meta: dict[str, Any]) -> bytes:
+    return (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode()
 
 
 def sparse_fixture(path: str) -> dict[str, Any] | None:
@@ -88,23 +123,27 @@ def sparse_fixture(path: str) -> dict[str, Any] | None:
 
 
 def replay_sparse(meta: dict[str, Any], path: str, backend_name: str | None, kernel: str | None,
-                  device: torch.device | None) -> bool:
-    """Re-run a sparse reproducer; True when it fails again."""
+                  device: torch.device | None, isolate: bool | None = None,
+                  case_timeout: float | None = None) -> bool:
+    """Re-run a sparse reproducer (isolated unless ``isolate`` is False: its spec always rebuilds its problem);
+    True when it fails again."""
     spec = SparseSpec.from_json(meta.get("spec"))
     target = kernel or backend_name or meta.get("backend")
     if not isinstance(target, str):
         raise FixtureError(f"{path}: records no backend; name one with --backend or --kernel")
-    registry = sparse_backends()
-    backend = resolve_kernel(target)[2] if ":" in target else registry.get(target)
-    if not isinstance(backend, SparseBackend):
-        raise UsageError(f"{target} is not a sparse backend (known: {', '.join(registry)}, or MODULE:ATTR naming "
-                         "a SparseBackend)")
+    backend = named_sparse_backend(target, meta.get("kernel_source") if target == meta.get("backend") else None)
     device = device or torch.device(meta.get("source_device") or "cpu")
     reason = backend.why_not(spec, device)
     if reason is not None:
         raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
     print(f"replaying {path} on {device}: {backend.name}\n  case: {spec.describe()}")
-    case = run_sparse_case(backend, spec, device)
+    judge = sparse_case_judge(backend, device, case_timeout, isolate is not False, target)
+    try:
+        case = judge(spec, True)
+    finally:
+        judge.close()
+    if case.crash or meta.get("crash"):
+        print(f"  {crash_line(case.crash, meta.get('crash'))}")
     print("\n".join(f"  - {f}" for f in case.failures) or "  (no failures)")
     for d in case.diagnosis:
         print(f"  diagnosis: {d}")

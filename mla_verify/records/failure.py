@@ -69,6 +69,15 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
     return saved.path
 
 
+def crash_line(now: str, recorded: str | None) -> str:
+    """How a replay's crash (``now``, "" for none) compares with the recorded one."""
+    if not now:
+        return f"did not crash (recorded: {recorded})"
+    if now == recorded:
+        return f"crashed again (same signal/error): {now}"
+    return f"crashed again: {now}" + (f" (recorded: {recorded})" if recorded else " (recorded: no crash)")
+
+
 def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None = None) -> list[str]:
     """The FAIL block: the first failure, the case, every failure, the diagnosis (and the first failing case's,
     when it tells more), the reproducer (its size) and,

@@ -205,7 +205,7 @@ def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: Probl
                       meta: dict[str, Any], durable: bool = True) -> Path:
     """A case as a JSON-only fixture that its spec rebuilds, written without building its problem: the
     reproducer of a kernel that crashed (its device may be unusable), or the record of the case about to run
-    (``durable=False``: written over in place, _overwrite)."""
+    (``durable=False``: written over in place, overwrite_in_place)."""
     record = {**meta, "spec": spec.to_json(), "format": FORMAT, "format_version": FORMAT_VERSION,
               "source_device": str(device),
               **({"torch_threads": torch.get_num_threads()} if device.type == "cpu" else {}),
@@ -215,7 +215,7 @@ def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: Probl
         return _write(Path(directory), fixture_id, None, record)
     os.makedirs(directory, exist_ok=True)
     path = fixture_paths(Path(directory) / fixture_id)[1]
-    _overwrite(path, _json_bytes(record))
+    overwrite_in_place(path, _json_bytes(record))
     return path
 
 
@@ -407,7 +407,7 @@ def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], recorded: Any) 
             raise FixtureError(f"{path}: tensor {name!r} does not match its recorded dtype/shape/sha256: refused")
 
 
-def _overwrite(path: Path, data: bytes) -> None:
+def overwrite_in_place(path: Path, data: bytes) -> None:
     """``data`` written over ``path`` in place, then cut to its length: neither renamed, nor synced, nor
     truncated to zero first, each of which makes ext4 flush the file (milliseconds per case in flight,
     against microseconds). The record is whole before the kernel is called, and a crash of the process

@@ -29,7 +29,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -109,7 +109,7 @@ class CaseResult:
         return f"[{self.backend}] {self.spec.describe()} | {self.layout.describe()} | metamorphic={self.metamorphic}"
 
 
-class _Stages:
+class Stages:
     """Seconds per stage of one case; on a GPU each stage ends with a synchronize (its work is charged to it)."""
 
     def __init__(self, device: torch.device, into: dict[str, float],
@@ -145,7 +145,7 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
         kind = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
         result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", kind
         return result
-    stage = _Stages(device, result.stages, on_stage)
+    stage = Stages(device, result.stages, on_stage)
     try:
         _judge(backend, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
     except Exception as exc:  # noqa: BLE001 - out of memory and device faults; anything else is the suite's bug
@@ -163,17 +163,34 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
     return result
 
 
-def crashed(result: CaseResult, what: str, stage: str) -> None:
+class Verdict(Protocol):
+    """What a crash sets on a case's result, dense (CaseResult) or sparse (sparse_case.SparseCaseResult)."""
+
+    verdict: str
+    reason: str
+    failures: list[str]
+    diagnosis: list[str]
+    crash: str
+
+
+def crashed(result: Verdict, what: str, stage: str) -> None:
     """Make ``result`` the failure of a case whose kernel crashed (``what``: the signal or error) in ``stage``."""
     result.crash = what
     result.verdict = "fail"
     result.reason = f"the kernel crashed: {what}" + (f" (in stage '{stage}')" if stage else "")
     result.failures = [result.reason]
-    result.diagnosis, result.out, result.lse, result.problem = [], None, None, None
+    result.diagnosis = []
+    if isinstance(result, CaseResult):  # no output, and no problem: the device it was on may be unusable
+        result.out, result.lse, result.problem = None, None, None
+
+
+def hung_line(timeout: KernelTimeout) -> str:
+    """The failure of a kernel call that ran past its time limit."""
+    return f"the kernel {timeout} (a kernel that does not return is a bug)"
 
 
 def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
-           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, stage: _Stages,
+           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, stage: Stages,
            kernel_seconds: float | None) -> None:
     with stage("build"):
         if problem is None:
@@ -249,7 +266,7 @@ def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
 
 
 def _call(prepared: PreparedCall, problem: DecodeProblem, failures: list[str], limit: _Limit,
-          stage: _Stages | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+          stage: Stages | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Snapshot, poison, call; append contract violations. None when there is no output to judge."""
     with stage("prepare") if stage else contextlib.nullcontext():
         snapshot = {name: t.detach().clone() for name, t in prepared.inputs.items()}
@@ -265,7 +282,7 @@ def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict
     except KernelTimeout as exc:
         if limit.result is not None:
             limit.result.hung = True
-        failures.append(f"the kernel {exc} (a kernel that does not return is a bug)")
+        failures.append(hung_line(exc))
         return None
     except Exception as exc:  # noqa: BLE001 - raising inside the envelope is a failure by contract
         if is_out_of_memory(exc) or device_fault(exc) is not None:

@@ -6,13 +6,15 @@ The model is AFL's fork server: a forkserver process imports torch and this pack
 forks from it in milliseconds, loads the backend (``named_backend``: by name, or a ``--kernel`` from where it
 was loaded), warms up (warmup.py: it loads the backend's compiled modules, which the parent has built, so
 their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up again,
-before the next case. The fork server
-never touches CUDA, so each worker makes its own context (forking a process that holds one is not safe).
+before the next case. The fork server never touches CUDA, so each worker makes its own context (forking a
+process that holds one is not safe).
+Dense cases (``Isolated``, harness.run_case) and sparse ones (``IsolatedSparse``, sparse_case.run_sparse_case,
+the backend named by registry name or MODULE:ATTR: ``named_sparse_backend``) share the worker (``_Worker``).
 
 Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
-from its spec (problems regenerate bit for bit), the parent rebuilds a failing case's problem for its
-reproducer, and the kernel's output comes back as safetensors bytes. The stage each case is in is kept in
-shared memory, so the parent knows it after a death.
+from its spec (problems regenerate bit for bit), the parent rebuilds a failing dense case's problem for its
+reproducer, and the kernel's output comes back as safetensors bytes (a sparse reproducer is its spec alone).
+The stage each case is in is kept in shared memory, so the parent knows it after a death.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.sharedctypes import RawValue
 from pathlib import Path
@@ -33,20 +35,24 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..backends import Backend, named_backend
+from ..backends import Backend, SparseBackend, named_backend, named_sparse_backend
 from ..core.errors import MLAVerifyError, UsageError
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats
 from ..problems.generate import ProblemSpec, build_problem
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
+from ..problems.sparse import SparseSpec
 from . import watchdog
 from .harness import STAGES, CaseResult, crashed, run_case
+from .sparse_case import SparseCaseResult, run_sparse_case
 from .warmup import WarmupResult, warm_up
 
 EXIT_STUCK = 86  # a worker ended by the watchdog's hard stop (a kernel stuck in native code); any free code
 _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "skip_kind", "hung",
           "resolved_backend", "invariance", "crash", "context_lost")  # the CaseResult fields sent as they are
+_SPARSE_PLAIN = ("verdict", "failures", "reason", "diagnosis", "crash", "context_lost", "hung", "stages")
+DENSE, SPARSE = "dense", "sparse"  # the kinds of case a worker judges
 
 
 class CaseJudge(Protocol):
@@ -60,6 +66,14 @@ class CaseJudge(Protocol):
     @property
     def warmup(self) -> WarmupResult | None:
         """Its own warm-ups added up; None when it has none (in-process, the caller warms up)."""
+
+    def close(self) -> None: ...
+
+
+class SparseCaseJudge(Protocol):
+    """Judges one sparse case of one backend (``run_sparse_case``'s arguments beyond the backend)."""
+
+    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult: ...
 
     def close(self) -> None: ...
 
@@ -96,8 +110,91 @@ class Isolated:
     def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
                  keep_output: bool = False, warm: bool = False) -> None:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
-        self.warm = warm
-        self._warmup: WarmupResult | None = None
+        self._worker = _Worker(DENSE, backend.name, backend.source, backend.name, device, kernel_seconds, warm)
+
+    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+        reply = self._worker.ask({"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
+                                  "diagnose": diagnose, "kernel_seconds": self.kernel_seconds,
+                                  "keep_output": self.keep_output})
+        if isinstance(reply, _Death):
+            result = CaseResult(self.backend.name, spec, layout, transform, "pass")
+            crashed(result, reply.what, reply.stage)
+            return result
+        result = _decoded(self.backend.name, spec, layout, transform, *reply)
+        if result.verdict == "fail" and not result.crash:  # for the reproducer, as run_case keeps it
+            result.problem = build_problem(spec, self.device)
+        return result
+
+    def start(self) -> None:
+        """A worker now, if none is running (the first case, or the next after a death, then finds it warm)."""
+        self._worker.start()
+
+    @property
+    def warmup(self) -> WarmupResult | None:
+        return self._worker.warmup
+
+    def close(self) -> None:
+        self._worker.stop()
+
+
+@dataclasses.dataclass
+class InProcessSparse:
+    """Sparse cases judged in this process (``--no-isolate``), as ``InProcess``."""
+
+    backend: SparseBackend
+    device: torch.device
+    kernel_seconds: float | None
+
+    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
+        return run_sparse_case(self.backend, spec, self.device, diagnose, self.kernel_seconds)
+
+    def close(self) -> None:
+        pass
+
+
+class IsolatedSparse:
+    """Sparse cases judged in a persistent worker process, as ``Isolated``; the worker loads the backend by
+    ``target`` (its registered name, or the MODULE:ATTR it was given as), from where it was loaded."""
+
+    def __init__(self, backend: SparseBackend, device: torch.device, kernel_seconds: float | None,
+                 target: str | None = None) -> None:
+        self.backend, self.kernel_seconds = backend, kernel_seconds
+        self._worker = _Worker(SPARSE, target or backend.name, backend.source, backend.name, device, kernel_seconds)
+
+    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
+        reply = self._worker.ask({"spec": spec.to_json(), "diagnose": diagnose,
+                                  "kernel_seconds": self.kernel_seconds})
+        result = SparseCaseResult(self.backend.name, spec, "pass")
+        if isinstance(reply, _Death):
+            crashed(result, reply.what, reply.stage)
+        else:
+            for k in _SPARSE_PLAIN:
+                setattr(result, k, reply[0][k])
+        return result
+
+    def close(self) -> None:
+        self._worker.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Death:
+    """What ended a worker, and the stage its case was in ("" before the first)."""
+
+    what: str
+    stage: str
+
+
+class _Worker:
+    """One persistent worker process judging one backend's cases of one ``kind`` (DENSE or SPARSE), started on
+    the first case and again after each death. ``target`` and ``source`` load the backend in the worker;
+    ``label`` names it in messages; ``warm``: each worker loads the backend's compiled modules before its first
+    case (a dense backend's: warmup.py), and ``warmup`` adds up what that took."""
+
+    def __init__(self, kind: str, target: str, source: dict[str, str] | None, label: str, device: torch.device,
+                 kernel_seconds: float | None, warm: bool = False) -> None:
+        self.kind, self.target, self.source, self.label = kind, target, source, label
+        self.device, self.kernel_seconds, self.warm = device, kernel_seconds, warm
+        self.warmup: WarmupResult | None = None
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         self._mp: Any = multiprocessing.get_context(method)
         if method == "forkserver":  # imported once in the fork server, not in every worker
@@ -106,74 +203,61 @@ class Isolated:
         # pytester, which takes back the modules a run imported, would then leave two copies of
         # multiprocessing.heap, and a RawValue of one does not pickle for a worker of the next run
         self._stage = RawValue("i", -1)
-        self._worker: Any = None
+        self._process: Any = None
         self._conn: Connection | None = None
-        self.deaths = 0
 
-    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+    def ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | _Death:
+        """The worker's verdict on ``request`` (its header and tensors), or what ended the worker. A worker
+        whose device the case left unusable has exited: the next case gets a fresh one, the search goes on."""
         self.start()
         assert self._conn is not None
         self._stage.value = -1
-        request = {"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
-                   "diagnose": diagnose, "kernel_seconds": self.kernel_seconds, "keep_output": self.keep_output}
         try:
             self._conn.send_bytes(json.dumps(request).encode())
             reply = self._receive()
         except (BrokenPipeError, ConnectionResetError):
             reply = None
         if reply is None:
-            result = CaseResult(self.backend.name, spec, layout, transform, "pass")
-            crashed(result, self._death(), STAGES[self._stage.value] if self._stage.value >= 0 else "")
-            return result
-        header, tensors = reply
+            return _Death(self._death(), STAGES[self._stage.value] if self._stage.value >= 0 else "")
+        header = reply[0]
         if "internal" in header:  # the suite's own bug, as in-process: not the kernel's verdict
             raise RuntimeError(f"in the isolated worker: {header['internal']}")
-        result = _decoded(self.backend.name, spec, layout, transform, header, tensors)
-        if result.context_lost:  # the worker has exited: the next case gets a fresh one, the search goes on
-            self._stop()
-            result.context_lost = False
-        if result.verdict == "fail" and not result.crash:  # for the reproducer, as run_case keeps it
-            result.problem = build_problem(spec, self.device)
-        return result
+        if header["context_lost"]:
+            self.stop()
+            header["context_lost"] = False
+        return reply
 
     def start(self) -> None:
-        """A worker now, if none is running (the first case, or the next after a death, then finds it warm)."""
-        if self._worker is None:
+        """A worker now, if none is running."""
+        if self._process is None:
             self._start()
-
-    @property
-    def warmup(self) -> WarmupResult | None:
-        return self._warmup
-
-    def close(self) -> None:
-        self._stop()
 
     def _start(self) -> None:
         conn, child = self._mp.Pipe()
-        worker = self._mp.Process(
-            target=_serve, name=f"mla-verify worker ({self.backend.name})", daemon=True,
-            args=(child, self.backend.name, self.backend.source, str(self.device), torch.get_num_threads(),
+        process = self._mp.Process(
+            target=_serve, name=f"mla-verify worker ({self.label})", daemon=True,
+            args=(child, self.kind, self.target, self.source, str(self.device), torch.get_num_threads(),
                   watchdog.grace_seconds(), self._stage, self.warm))
         with _this_package_first():
-            worker.start()
+            process.start()
         child.close()
-        self._worker, self._conn = worker, conn
+        self._process, self._conn = process, conn
         reply = self._receive()
         if reply is None:
-            raise UsageError(f"{self.backend.name}: the isolated worker died while loading the backend "
+            raise UsageError(f"{self.label}: the isolated worker died while loading the backend "
                              f"({self._death()}); --no-isolate runs it in this process")
         if "error" in reply[0]:
-            self._stop()
-            raise UsageError(f"{self.backend.name}: the isolated worker could not load it: {reply[0]['error']} "
+            self.stop()
+            raise UsageError(f"{self.label}: the isolated worker could not load it: {reply[0]['error']} "
                              "(--no-isolate runs it in this process)")
         if reply[0]["warmup"] is not None:
             warmed = WarmupResult(**reply[0]["warmup"])
-            self._warmup = warmed if self._warmup is None else self._warmup.then(warmed)
+            self.warmup = warmed if self.warmup is None else self.warmup.then(warmed)
 
     def _receive(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         """The worker's next message and its tensors; None when it died first."""
         assert self._conn is not None
-        wait([self._conn, self._worker.sentinel])
+        wait([self._conn, self._process.sentinel])
         try:
             header = json.loads(self._conn.recv_bytes())
             tensors = st_load(self._conn.recv_bytes()) if header.get("tensors") else {}
@@ -183,9 +267,8 @@ class Isolated:
 
     def _death(self) -> str:
         """What ended the worker, and forget it (the next case starts another)."""
-        self._worker.join()
-        code = self._worker.exitcode
-        self.deaths += 1
+        self._process.join()
+        code = self._process.exitcode
         self._forget()
         if code is not None and code < 0:
             name = signal.Signals(-code).name
@@ -195,21 +278,21 @@ class Isolated:
                     "code): its worker process was ended")
         return f"its worker process exited with code {code}"
 
-    def _stop(self) -> None:
-        if self._worker is None:
+    def stop(self) -> None:
+        if self._process is None:
             return
         assert self._conn is not None
         self._conn.close()  # the worker's next read ends it
-        self._worker.join(timeout=5)
-        if self._worker.is_alive():  # stuck in a kernel
-            self._worker.kill()
-            self._worker.join()
+        self._process.join(timeout=5)
+        if self._process.is_alive():  # stuck in a kernel
+            self._process.kill()
+            self._process.join()
         self._forget()
 
     def _forget(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        self._worker = self._conn = None
+        self._process = self._conn = None
 
 
 @contextlib.contextmanager
@@ -240,6 +323,13 @@ def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | N
     return InProcess(backend, device, kernel_seconds)
 
 
+def sparse_case_judge(backend: SparseBackend, device: torch.device, kernel_seconds: float | None, isolate: bool,
+                      target: str | None = None) -> SparseCaseJudge:
+    """``target``: what the backend was named by (IsolatedSparse), when not its registered name."""
+    return IsolatedSparse(backend, device, kernel_seconds, target) if isolate \
+        else InProcessSparse(backend, device, kernel_seconds)
+
+
 def _decoded(name: str, spec: ProblemSpec, layout: LayoutSpec, transform: str, header: dict[str, Any],
              tensors: dict[str, torch.Tensor]) -> CaseResult:
     stats = header["stats"]
@@ -254,8 +344,8 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
         conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
 
 
-def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, grace: float, stage: Any,
-           warm: bool) -> None:
+def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, threads: int, grace: float,
+           stage: Any, warm: bool) -> None:
     """The worker: load the backend (``warm``: and its compiled modules), then judge each case sent until the
     parent closes the pipe, or until a CUDA error leaves this process's device unusable. ``threads`` and
     ``grace`` are the parent's now (the environment is the fork server's, from when it started)."""
@@ -263,8 +353,9 @@ def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, 
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
     os.environ[watchdog.GRACE_ENV] = repr(grace)
     torch.set_num_threads(threads)  # CPU sums round by the thread count
+    load, judge = _KINDS[kind]
     try:
-        backend = named_backend(name, source)
+        backend = load(target, source)
     except MLAVerifyError as e:
         _send(conn, {"error": str(e)})
         return
@@ -280,15 +371,33 @@ def _serve(conn: Connection, name: str, source: Any, device: str, threads: int, 
         except EOFError:
             return
         try:
-            r = run_case(backend, ProblemSpec.from_json(request["spec"]), LayoutSpec(**request["layout"]),
-                         device, request["transform"], diagnose=request["diagnose"],
-                         kernel_seconds=request["kernel_seconds"], on_stage=entered)
+            header, tensors = judge(backend, request, device, entered)
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as its own
             _send(conn, {"internal": exception_line(exc)})
             return
-        header = {k: getattr(r, k) for k in _PLAIN}
-        header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
-        kept = r.verdict == "fail" or request["keep_output"]
-        _send(conn, header, {k: t for k, t in (("out", r.out), ("lse", r.lse)) if t is not None and kept})
-        if r.context_lost:
+        _send(conn, header, tensors)
+        if header["context_lost"]:
             return
+
+
+def _judge_dense(backend: Backend, request: dict[str, Any], device: str,
+                 on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    r = run_case(backend, ProblemSpec.from_json(request["spec"]), LayoutSpec(**request["layout"]), device,
+                 request["transform"], diagnose=request["diagnose"], kernel_seconds=request["kernel_seconds"],
+                 on_stage=on_stage)
+    header = {k: getattr(r, k) for k in _PLAIN}
+    header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
+    kept = r.verdict == "fail" or request["keep_output"]
+    return header, {k: t for k, t in (("out", r.out), ("lse", r.lse)) if t is not None and kept}
+
+
+def _judge_sparse(backend: SparseBackend, request: dict[str, Any], device: str,
+                  on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    r = run_sparse_case(backend, SparseSpec.from_json(request["spec"]), device, request["diagnose"],
+                        request["kernel_seconds"], on_stage)
+    return {k: getattr(r, k) for k in _SPARSE_PLAIN}, {}
+
+
+# each kind of case: how the worker loads its backend by name and source, and judges one request
+_KINDS: dict[str, tuple[Callable[[str, Any], Any], Callable[..., tuple[dict[str, Any], dict[str, torch.Tensor]]]]] = {
+    DENSE: (named_backend, _judge_dense), SPARSE: (named_sparse_backend, _judge_sparse)}

@@ -1,83 +1,31 @@
-"""Run sparse decode problems on a sparse backend and judge them; search, shrink and report the first failure.
+"""Search sparse decode problems on a sparse backend; shrink and report the first failure.
 
-One case (``run_sparse_case``): ``why_not`` first; build the problem; prepare; snapshot the inputs; call (an
-exception is a failure with its one line); the inputs must be unchanged; judge against the float64 sparse
-reference (judge/sparse_judge.py); the same call again must give the same bits; on failure, the diagnosis.
+Each case is judged by sparse_case.py (``run_sparse_case``), in this process or, with ``isolate``, in a worker
+process (isolate.py): a kernel that kills its worker fails its case as a crash, and the search goes on.
 
 A run (``verify_sparse``): premerge's corner cases first (draw/sparse_strategies.py), then drawn cases under
 the profile's Hypothesis settings -- seeded, so premerge gives the same cases and verdicts every time -- and
-Hypothesis shrinks the first failure to a minimal spec.
+Hypothesis shrinks the first failure to a minimal spec. A corner case that fails ends the run with its
+diagnosis, unless it crashed isolated: a crash has no output to diagnose, its input is all it tells, so the
+search runs on and a drawn crash, shrunk, is reported instead where one is found. A hung kernel, or a CUDA
+error in this process (its device is then unusable), ends the search at that case.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 
 from ..backends.base import ENVELOPE_PREFIX, SparseBackend
-from ..core.bits import changed_elements, same_bits
-from ..core.tracebacks import exception_line
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.sparse_strategies import sparse_corner_cases, sparse_specs
-from ..judge.sparse_judge import diagnose_sparse, judge_sparse
-from ..problems.sparse import SparseSpec, build_sparse_problem
-from ..problems.sparse_reference import sparse_reference
-
-
-@dataclass
-class SparseCaseResult:
-    backend: str
-    spec: SparseSpec
-    verdict: str  # "pass" | "fail" | "skip"
-    failures: list[str] = field(default_factory=list)
-    reason: str = ""
-    diagnosis: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        return f"[{self.backend}] {self.spec.describe()}"
-
-
-def run_sparse_case(backend: SparseBackend, spec: SparseSpec, device: torch.device | str,
-                    diagnose: bool = True) -> SparseCaseResult:
-    device = torch.device(device)
-    result = SparseCaseResult(backend.name, spec, "pass")
-    reason = backend.why_not(spec, device)
-    if reason is not None:
-        result.verdict, result.reason = "skip", f"{backend.name}: {reason}"
-        return result
-    problem = build_sparse_problem(spec, device)
-    failures = result.failures
-    snapshot: dict[str, torch.Tensor] = {}
-    inputs: dict[str, torch.Tensor] = {}
-    out = lse = again = None
-    try:  # planning is the library's too: its refusal of a problem inside the envelope is a failure
-        prepared = backend.prepare(problem)
-        inputs = prepared.inputs
-        snapshot = {name: t.clone() for name, t in inputs.items()}
-        out, lse = (t if t is None else t.clone() for t in prepared.judged(prepared.invoke()))
-        again = prepared.judged(prepared.invoke())[0]
-    except Exception as exc:  # noqa: BLE001 - a kernel's error is its verdict
-        failures.append(f"the kernel raised {exception_line(exc)}")
-    for name, before in snapshot.items():
-        if (n := changed_elements(before, inputs[name])):
-            failures.append(f"input {name} changed in {n} elements")
-    if lse is not None and backend.envelope.lse_base != math.e:
-        lse = lse * math.log(backend.envelope.lse_base)
-    ref = sparse_reference(problem)
-    if out is not None:
-        failures += judge_sparse(problem, out, lse, ref)
-        if again is not None and not same_bits(out, again):
-            failures.append("not bit-identical: the same call twice gave different outputs")
-        if failures and diagnose:
-            result.diagnosis = diagnose_sparse(problem, out, lse, ref)
-    if failures:
-        result.verdict, result.reason = "fail", failures[0]
-    return result
+from ..problems.sparse import SparseSpec
+from .isolate import sparse_case_judge
+from .sparse_case import SparseCaseResult
 
 
 @dataclass
@@ -97,13 +45,19 @@ class _Failed(AssertionError):
     pass
 
 
-class _TimeUp(BaseException):
-    """Ends the search when the run's minutes are spent; BaseException so Hypothesis does not shrink it."""
+class _Stop(BaseException):
+    """Ends the search (time up, a hung kernel, a device left unusable); BaseException so Hypothesis does not
+    shrink it."""
 
 
 def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: str | Profile = "premerge",
-                  max_examples: int | None = None, seed: int = 0, minutes: float | None = None) -> SparseRunResult:
-    """``minutes`` (default: the profile's) bounds the drawn cases' search; a failure found is still shrunk."""
+                  max_examples: int | None = None, seed: int = 0, minutes: float | None = None,
+                  isolate: bool = False, kernel_seconds: float | None = None,
+                  on_start: Callable[[SparseSpec], None] | None = None, target: str | None = None) -> SparseRunResult:
+    """``minutes`` (default: the profile's) bounds the drawn cases' search; a failure found is still shrunk.
+    ``isolate`` judges each case in a worker process, which loads the backend by ``target`` (what it was named
+    by) when it is not a registered name; ``kernel_seconds`` limits each kernel call; ``on_start`` is told
+    each case before it runs."""
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = torch.device(device)
     minutes = prof.minutes if minutes is None else minutes
@@ -113,20 +67,48 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     if reason is not None:
         run.cases.append(SparseCaseResult(backend.name, SparseSpec(), "skip", reason=f"{backend.name}: {reason}"))
         return run
+    judge = sparse_case_judge(backend, device, kernel_seconds, isolate, target)
+
+    def judged(spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
+        if on_start is not None:
+            on_start(spec)
+        return judge(spec, diagnose)
+
+    def record(spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
+        case = judged(spec, diagnose)
+        run.cases.append(case)
+        if case.hung or case.context_lost:
+            run.failure = case
+            raise _Stop
+        return case
+
+    try:
+        _search(backend, prof, max_examples, seed, deadline, record, judged, run)
+    except _Stop:
+        pass
+    finally:
+        judge.close()
+    return run
+
+
+def _search(backend: SparseBackend, prof: Profile, max_examples: int | None, seed: int, deadline: float | None,
+            record: Callable[[SparseSpec, bool], SparseCaseResult],
+            judged: Callable[[SparseSpec, bool], SparseCaseResult], run: SparseRunResult) -> None:
+    """The corner cases, then the drawn ones; ``run.failure`` is set to what is reported."""
     if prof.corner_cases:
         for spec in sparse_corner_cases(backend.envelope):
-            case = run_sparse_case(backend, spec, device)
-            run.cases.append(case)
+            case = record(spec, True)
             if case.verdict == "fail":
                 run.failure = case
-                return run
-    last: dict[str, Any] = {}
+                if not case.crash:
+                    return
+                break
+    last: dict[str, SparseSpec] = {}
 
     def check(spec: SparseSpec) -> None:
         if deadline is not None and time.monotonic() > deadline and "spec" not in last:
-            raise _TimeUp
-        case = run_sparse_case(backend, spec, device, diagnose=False)
-        run.cases.append(case)
+            raise _Stop
+        case = record(spec, False)
         if case.verdict == "fail":
             last["spec"] = spec
             raise _Failed(case.reason)
@@ -138,11 +120,8 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     with hypothesis_storage(), draws_free_of_local_source(prof.deterministic):
         try:
             test()
-        except _TimeUp:
-            pass
         except _Failed:
-            run.failure = run_sparse_case(backend, last["spec"], device)  # the shrunk case, with its diagnosis
-    return run
+            run.failure = judged(last["spec"], True)  # the shrunk case, with its diagnosis
 
 
 def skipped_outside_envelope(case: SparseCaseResult) -> bool:

@@ -13,7 +13,8 @@ import torch
 
 from mla_verify.backends import sparse_backends
 from mla_verify.problems.sparse import SparseSpec
-from mla_verify.run.sparse_check import run_sparse_case, verify_sparse
+from mla_verify.run.sparse_case import run_sparse_case
+from mla_verify.run.sparse_check import verify_sparse
 
 pytestmark = pytest.mark.gpu
 
