@@ -31,9 +31,9 @@ TESTS = Path(__file__).resolve().parent
 PYTHONPATH = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
 
 
-def check(capsys, kernel: str, tmp_path: Path, *argv: str) -> tuple[int, str]:
+def check(capsys, kernel: str, tmp_path: Path, *argv: str, module: str = "crashing_kernels") -> tuple[int, str]:
     """``mla-verify check`` in this process: isolated, the kernel's crashes are its workers'."""
-    code = main(["check", "--kernel", f"crashing_kernels:{kernel}", "--device", "cpu", "--profile", "premerge",
+    code = main(["check", "--kernel", f"{module}:{kernel}", "--device", "cpu", "--profile", "premerge",
                  "--fixtures-dir", str(tmp_path / "fx"), *argv])
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "internal error" not in err, err
