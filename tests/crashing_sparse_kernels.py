@@ -1,9 +1,11 @@
 """Sparse kernels that take their process down when an index points past slot ``CRASH_SLOT`` -- as FlashMLA's
 sparse kernel reads past its pool when handed an index it does not bounds-check -- and are correct elsewhere
-(the CPU stand-in behind FlashMLA's sparse calling convention, mla_verify.kernels.sparse_mutants). Importable as
+(the CPU stand-in behind FlashMLA's sparse calling convention, mla_verify.kernels.sparse_mutants; the installed
+FlashMLA for ``gathers_past_its_pool``, a GPU kernel: tests/gpu/test_crash_gpu.py). Importable as
 ``crashing_sparse_kernels:NAME`` with tests/ on PYTHONPATH."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Callable
@@ -11,9 +13,11 @@ from typing import Any
 
 import torch
 
-from mla_verify.backends.flashmla_api import FlashMLAApi
+from mla_verify.backends.base import PreparedCall
+from mla_verify.backends.flashmla_api import FlashMLAApi, installed_api
 from mla_verify.backends.flashmla_sparse import FlashMLASparseBackend
 from mla_verify.kernels.sparse_mutants import CPU_SPARSE_ENVELOPE, SparseStandIn
+from mla_verify.problems.sparse import SparseDecodeProblem
 
 # two 64-token pages hold slots 0..127: a larger index needs a pool of more (sparse_strategies draws two used
 # pages and no spare one at the least)
@@ -44,3 +48,28 @@ def _cuda_error() -> None:
 segfaults_on_large_index = _crashing("segfaults_on_large_index", _segfault)
 aborts_on_large_index = _crashing("aborts_on_large_index", os.abort)
 cuda_error_on_large_index = _crashing("cuda_error_on_large_index", _cuda_error)
+
+
+class _GathersPastItsPool(FlashMLASparseBackend):
+    """flashmla-sparse (the installed FlashMLA) that, handed an index at or past CRASH_SLOT, first gathers cache
+    rows past its pool through torch's indexing, as a kernel trusting its indices reads: on CUDA a device-side
+    assert, which leaves the process's CUDA context unusable."""
+
+    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+        if self.api is None:  # flash_mla is imported only where this backend runs
+            real = installed_api()
+
+            @functools.wraps(real.flash_mla_with_kvcache)  # its signature tells the wheel's interface apart
+            def decode(q: torch.Tensor, k_cache: torch.Tensor, *args: Any, indices: torch.Tensor,
+                       **kwargs: Any) -> Any:
+                if int(indices.max()) >= CRASH_SLOT:
+                    pool = k_cache.reshape(-1, k_cache.shape[-1])
+                    past = torch.arange(pool.shape[0], pool.shape[0] + 64, device=pool.device)
+                    float(pool[past].float().sum())  # the sync makes the error surface here
+                return real.flash_mla_with_kvcache(q, k_cache, *args, indices=indices, **kwargs)
+
+            self.api = FlashMLAApi(real.get_mla_metadata, decode, real.get_mla_decoding_metadata)
+        return super().prepare(problem)
+
+
+gathers_past_its_pool = _GathersPastItsPool("flashmla-sparse[gathers_past_its_pool]")
