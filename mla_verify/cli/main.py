@@ -150,7 +150,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..draw.hypothesis_db import resolve_database
     from ..draw.profiles import get_profile
     from ..judge.selfcheck import reference_selfcheck
-    from ..records.failure import failure_lines, in_flight_path, record_in_flight, save_reproducer
+    from ..records.failure import failure_lines, in_flight_note, in_flight_path, record_in_flight, save_reproducer
     from ..records.fixtures import check_writable_dir
     from ..records.report import (
         build_report,
@@ -203,8 +203,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
             results.append(verify(backend, device, profile))  # records the backend as unavailable
             continue
         if not isolate:
-            print(f"in-process: the case in flight is kept in {in_flight} while it runs (if this run dies, "
-                  f"`mla-verify replay {in_flight}` re-runs it)", flush=True)
+            print(in_flight_note(in_flight), flush=True)
         with Progress(backend.name, ns.minutes or profile.minutes, _planned_cases(backend, device, profile,
                                                                                    ns.max_examples)) as progress:
             def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:

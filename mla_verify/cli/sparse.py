@@ -20,7 +20,7 @@ from ..backends import SparseBackend, named_sparse_backend
 from ..core.errors import FixtureError, UsageError
 from ..draw.profiles import Profile
 from ..problems.sparse import SparseSpec
-from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_path
+from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_note, in_flight_path
 from ..records.fixtures import overwrite_in_place
 from ..run.isolate import sparse_case_judge
 from ..run.sparse_case import SparseCaseResult
@@ -51,8 +51,7 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
             continue
         if not isolate:
             fixtures_dir.mkdir(parents=True, exist_ok=True)
-            print(f"in-process: the case in flight is kept in {in_flight} while it runs (if this run dies, "
-                  f"`mla-verify replay {in_flight}` re-runs it)", flush=True)
+            print(in_flight_note(in_flight), flush=True)
 
         def starting(spec: SparseSpec, backend: SparseBackend = backend, target: str | None = target) -> None:
             meta = _record(backend, target, spec, device, "fail", [IN_FLIGHT_REASON], [], "the process died")

@@ -26,6 +26,12 @@ def in_flight_path(directory: Path) -> Path:
     return directory / f"in-flight-{os.environ.get('PYTEST_XDIST_WORKER') or os.getpid()}.json"
 
 
+def in_flight_note(path: Path) -> str:
+    """The line that says, as an in-process run starts, where its case in flight is kept."""
+    return (f"in-process: the case in flight is kept in {path} while it runs (if this run dies, "
+            f"`mla-verify replay {path}` re-runs it)")
+
+
 def record_in_flight(directory: Path, backend: str, spec: ProblemSpec, layout: LayoutSpec, transform: str,
                      device: torch.device, source: dict[str, str] | None = None) -> Path:
     """Write the case about to run as a reproducer (in_flight_path), before its kernel is called: if the kernel
