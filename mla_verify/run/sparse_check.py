@@ -20,7 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 
-from ..backends.base import ENVELOPE_PREFIX, SparseBackend
+from ..backends.base import SparseBackend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
 from ..draw.sparse_strategies import sparse_corner_cases, sparse_specs
 from ..problems.sparse import SparseSpec
@@ -122,7 +122,3 @@ def _search(backend: SparseBackend, prof: Profile, max_examples: int | None, see
             test()
         except _Failed:
             run.failure = judged(last["spec"], True)  # the shrunk case, with its diagnosis
-
-
-def skipped_outside_envelope(case: SparseCaseResult) -> bool:
-    return case.verdict == "skip" and ENVELOPE_PREFIX in case.reason
