@@ -27,6 +27,7 @@ CRASH_SLOT = 128
 def _crashing(name: str, crash: Callable[[], None]) -> FlashMLASparseBackend:
     stand_in = SparseStandIn(name=name)
 
+    @functools.wraps(stand_in.flash_mla_with_kvcache)  # its signature: the wheel's interface (use_legacy)
     def decode(*args: Any, indices: torch.Tensor, **kwargs: Any) -> Any:
         if int(indices.max()) >= CRASH_SLOT:
             crash()

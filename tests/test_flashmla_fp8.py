@@ -23,7 +23,7 @@ from mla_verify.backends.flashmla_api import FlashMLAApi
 from mla_verify.core.dims import R1_SOFTMAX_SCALE
 from mla_verify.judge.compare import baseline_result, compare
 from mla_verify.kernels.flashmla_cpu import CPU_FP8_ENVELOPE, WheelStandIn, stand_in_backend
-from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.kernels.mutants import MUTANTS, correct_kernel
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.problem import FP8
@@ -148,3 +148,21 @@ def test_the_fp8_tolerance_admits_what_flashmla_fp8_measured(heads: int, values:
                               math.e)
     assert not failures and stats is not None
     assert stats.allowed_rel_l2 > MEASURED_FP8_REL_L2 and stats.allowed_lse_abs > MEASURED_FP8_LSE
+
+
+def test_the_wheel_only_paths_refuse_upstreams_interface_in_one_line() -> None:
+    """fp8 and sparse decode exist on SM90 in sgl-flash-mla only: against upstream's interface (no use_legacy)
+    they are refused with the install route, not run into a TypeError on every case."""
+    from mla_verify.backends.flashmla_sparse import FlashMLASparseBackend
+    from mla_verify.kernels.sparse_mutants import CPU_SPARSE_ENVELOPE
+
+    def upstream_decode(*args: Any, **kwargs: Any) -> Any:  # no use_legacy, no kv_format
+        raise AssertionError("a refused backend must not be called")
+
+    upstream = FlashMLAApi(WheelStandIn(correct_kernel).get_mla_metadata, upstream_decode)
+    cpu = torch.device("cpu")
+    fp8 = FlashMLABackend("flashmla-fp8", upstream, CPU_FP8_ENVELOPE, fp8=True)
+    sparse = FlashMLASparseBackend("flashmla-sparse", upstream, CPU_SPARSE_ENVELOPE)
+    for backend, what in ((fp8, "dense fp8 decode"), (sparse, "sparse decode on SM90")):
+        reason = backend.unavailable_reason(cpu)
+        assert reason is not None and reason.startswith(f"{what} is sgl-flash-mla's; this interface has none ("), reason

@@ -40,7 +40,7 @@ from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, trtllm_args
 from ..problems.problem import DecodeProblem
 from .base import INVARIANT_WITHIN_TOLERANCE, Backend, Envelope, PreparedCall
-from .flashmla_api import INSTALL_ROUTE, FlashMLAApi, flashmla_unavailable, installed_api, installed_build
+from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api, needs_wheel
 
 NO_ROPE_DIMS = (512, 0)
 FLASHMLA_ENVELOPE = Envelope(
@@ -96,10 +96,7 @@ class FlashMLABackend(Backend):
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         reason = flashmla_unavailable(self.api, self.envelope, device)
-        if reason is None and self.fp8 and not (self.api or installed_api()).use_legacy:
-            found = "this interface" if self.api else installed_build().describe()
-            reason = f"dense fp8 decode is sgl-flash-mla's; {found} has none ({INSTALL_ROUTE})"
-        return reason
+        return needs_wheel(self.api, "dense fp8 decode") if reason is None and self.fp8 else reason
 
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
         reason = super().why_not(spec, layout, device)

@@ -109,6 +109,15 @@ def installed_api() -> FlashMLAApi:
                        getattr(flash_mla, "get_mla_decoding_metadata", None))
 
 
+def needs_wheel(api: FlashMLAApi | None, what: str) -> str | None:
+    """None where ``api`` (the installed interface when None) is sgl-flash-mla's; else why ``what``, which only
+    the wheel's interface has on SM90, cannot run."""
+    if (api or installed_api()).use_legacy:
+        return None
+    found = "this interface" if api else installed_build().describe()
+    return f"{what} is sgl-flash-mla's; {found} has none ({INSTALL_ROUTE})"
+
+
 def install_hint() -> str | None:
     """None when a ``flash_mla`` package is installed; otherwise the one line saying how to get it."""
     if installed_build().kind == "none":

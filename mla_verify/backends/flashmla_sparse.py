@@ -7,7 +7,8 @@ Read from the wheel's ``flash_mla/flash_mla_interface.py`` (sgl-flash-mla 1.0.0)
   indices=..., attn_sink=..., topk_length=..., kv_format=<fmt>)`` plus ``use_legacy=True`` where the function
   takes it (the wheel: its SM90 kernels are the legacy ones; ``flashmla_api`` tells the interfaces apart).
   ``block_table`` and ``cache_seqlens`` are ignored by sparse decode; ``sched_meta`` is a fresh
-  ``get_mla_metadata()[0]`` per call (it bakes in topk_length).
+  ``get_mla_metadata()[0]`` per prepared call (it bakes in the shapes and topk_length, which one prepared
+  call never changes).
 - ``q [B, q_len, h_q, 576|512]`` bf16 with h_q 64 or 128: a problem's heads are padded with zero queries up to
   the next of them (as vLLM and SGLang do) and the padding is cut from the result.
 - ``k_cache [pages, page, 1, bytes_per_token]`` uint8, the packed pool (problems/packed.py) with its page stride.
@@ -28,7 +29,7 @@ from ..problems.envelope import SparseEnvelope
 from ..problems.packed import FORMATS, kernel_view
 from ..problems.sparse import SparseDecodeProblem
 from .base import PreparedCall, SparseBackend
-from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api
+from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api, needs_wheel
 
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
 # the format the wheel reads rows of this width as when kv_format is None; 528 is V4.1 unless told V32_NO_ROPE
@@ -37,13 +38,16 @@ FLASHMLA_SPARSE_ENVELOPE = SparseEnvelope(
     devices=("cuda",), archs=((9, 0),), formats=("V32", "V32_NO_ROPE", "V4"), topk_multiple=64, max_topk=2048,
     max_heads=128, q_len=(1, 2), page_sizes=(64, 2, 61, 69), topk_length_formats=("V4",), lse_base=math.e,
     notes="SM90 instantiates run_flash_splitkv_mla_fp8_sparse_kernel for V32, V4 and V32_NO_ROPE with h_q 64/128; "
-          "TOPK_BLOCK_SIZE 64; 'V3.2 does not support dynamic topk length' (V32_NO_ROPE unverified: left out); "
+          "TOPK_BLOCK_SIZE 64; 'V3.2 does not support dynamic topk length' (topk_length with V32_NO_ROPE "
+          "unverified: left out of topk_length_formats); "
           "the page sizes FlashMLA's own sparse tests use",
 )
 
 
 def padded_heads(h: int) -> int:
     """The h_q FlashMLA's sparse kernel runs a problem of ``h`` heads with."""
+    if h > FLASHMLA_HEADS[-1]:
+        raise ValueError(f"FlashMLA's sparse decode runs at most {FLASHMLA_HEADS[-1]} heads, not {h}")
     return next(n for n in FLASHMLA_HEADS if n >= h)
 
 
@@ -56,7 +60,7 @@ class FlashMLASparseBackend(SparseBackend):
         self.name, self.api, self.envelope, self.description = name, api, envelope, description
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        return flashmla_unavailable(self.api, self.envelope, device)
+        return flashmla_unavailable(self.api, self.envelope, device) or needs_wheel(self.api, "sparse decode on SM90")
 
     def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
         p = problem.validate()
@@ -73,9 +77,11 @@ class FlashMLASparseBackend(SparseBackend):
             sink = torch.zeros((heads,), dtype=torch.float32, device=p.query.device)
             sink[:H] = p.attn_sink
         k_cache = kernel_view(p.packed, fmt, p.page_size)
+        # one schedule per prepared call, as dense flashmla: it depends on the shapes and topk_length, which a
+        # prepared call never changes, and a timed call (bench) must not time the scheduler
+        meta, splits = api.get_mla_metadata()
 
         def invoke() -> Any:
-            meta, splits = api.get_mla_metadata()
             return api.flash_mla_with_kvcache(q, k_cache, None, None, p.d_v, meta, splits,
                                               softmax_scale=float(p.softmax_scale), is_fp8_kvcache=True,
                                               indices=p.indices, attn_sink=sink, topk_length=p.topk_length,
