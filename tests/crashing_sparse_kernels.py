@@ -46,7 +46,12 @@ def _cuda_error() -> None:
     raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
 
+def _out_of_memory() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
 segfaults_on_large_index = _crashing("segfaults_on_large_index", _segfault)
+out_of_memory_on_large_index = _crashing("out_of_memory_on_large_index", _out_of_memory)
 aborts_on_large_index = _crashing("aborts_on_large_index", os.abort)
 cuda_error_on_large_index = _crashing("cuda_error_on_large_index", _cuda_error)
 

@@ -96,14 +96,14 @@ def test_tensors_without_json(tmp_path):
 
 
 def test_crash_before_json_leaves_a_detectable_half_pair(tmp_path, monkeypatch):
-    real = fixtures._atomic_write
+    real = fixtures.atomic_write
 
     def crash_on_json(p, data):
         if p.suffix == ".json":
             raise OSError("disk full")
         real(p, data)
 
-    monkeypatch.setattr(fixtures, "_atomic_write", crash_on_json)
+    monkeypatch.setattr(fixtures, "atomic_write", crash_on_json)
     with pytest.raises(OSError):
         _save(tmp_path)
     monkeypatch.undo()

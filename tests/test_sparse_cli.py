@@ -36,3 +36,12 @@ def test_check_passes_the_correct_sparse_kernel(capsys, tmp_path):
 def test_a_sparse_backend_that_cannot_run_is_a_usage_error(capsys):
     code, out, err = run_main(capsys, "check", "--backend", "flashmla-sparse", "--device", "cpu")
     assert code == 2 and "flashmla-sparse cannot run on cpu" in err and "self-check" not in out
+
+
+def test_two_sparse_kernels_failing_on_one_case_keep_a_reproducer_each(capsys, tmp_path):
+    other = "mla_verify.kernels.sparse_mutants:v_rope_dims"
+    code, _, _ = run_main(capsys, "check", "--kernel", MUTANT, "--kernel", other, "--device", "cpu",
+                          "--fixtures-dir", tmp_path, *DRAWN)
+    assert code == 1
+    assert sorted(json.loads(p.read_text())["backend"] for p in tmp_path.glob("sparse-*.json")) == \
+        sorted([MUTANT, other])

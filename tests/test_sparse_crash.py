@@ -75,3 +75,15 @@ def test_isolation_gives_the_same_sparse_cases_and_verdicts(kernel, verdict):
     assert [r.verdict for r in runs] == [verdict, verdict]
     failures = [None if r.failure is None else (r.failure.spec, r.failure.failures) for r in runs]
     assert failures[0] == failures[1]
+
+
+def test_out_of_memory_skips_the_sparse_case_as_the_dense_harness_does():
+    """On a shared GPU an allocation can fail for reasons outside the kernel: a skip, not a FAIL."""
+    from crashing_sparse_kernels import out_of_memory_on_large_index
+
+    from mla_verify.run.harness import OUT_OF_MEMORY
+    from mla_verify.run.sparse_case import run_sparse_case
+
+    spec = SparseSpec(batch=1, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.0)
+    result = run_sparse_case(out_of_memory_on_large_index, spec, "cpu")
+    assert (result.verdict, result.reason, result.failures) == ("skip", OUT_OF_MEMORY, [])

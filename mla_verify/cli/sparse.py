@@ -10,7 +10,9 @@ that a crash of the whole process leaves it to replay.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from ..core.errors import FixtureError, UsageError
 from ..draw.profiles import Profile
 from ..problems.sparse import SparseSpec
 from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_note, in_flight_path
-from ..records.fixtures import overwrite_in_place
+from ..records.fixtures import atomic_write, overwrite_in_place
 from ..run.isolate import sparse_case_judge
 from ..run.sparse_case import SparseCaseResult
 from ..run.sparse_check import verify_sparse
@@ -86,13 +88,18 @@ def failure_lines(case: SparseCaseResult, path: Path | None) -> list[str]:
 
 
 def save_sparse_reproducer(directory: Path, case: SparseCaseResult, backend: SparseBackend, target: str | None,
-                           device: torch.device) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"sparse-{case.spec.case_id()}.json"
+                           device: torch.device) -> Path | None:
+    """The reproducer's path, named by the backend and the case (backends that fail on one case must not write
+    over each other's); None, said on stderr, when it cannot be written."""
+    named = hashlib.sha256(f"{target or backend.name}\n{case.spec.case_id()}".encode()).hexdigest()[:16]
+    path = directory / f"sparse-{named}.json"
     meta = _record(backend, target, case.spec, device, case.verdict, case.failures, case.diagnosis, case.crash)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(_json(meta))
-    tmp.replace(path)  # nothing half-written
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, _json(meta))  # nothing half-written
+    except OSError as e:
+        print(f"mla-verify: could not write the reproducer in {directory}: {e.strerror}", file=sys.stderr)
+        return None
     return path
 
 

@@ -170,10 +170,10 @@ def _write(directory: Path, fixture_id: str, blob: bytes | None, record: dict[st
     tensors_path, json_path = fixture_paths(directory / fixture_id)
     os.makedirs(directory, exist_ok=True)
     if blob is not None:
-        _atomic_write(tensors_path, blob)
+        atomic_write(tensors_path, blob)
     elif tensors_path.exists():  # a stale pair from an earlier run must not pass for this fixture's tensors
         tensors_path.unlink()
-    _atomic_write(json_path, _json_bytes(record))
+    atomic_write(json_path, _json_bytes(record))
     return json_path
 
 
@@ -417,7 +417,7 @@ def overwrite_in_place(path: Path, data: bytes) -> None:
         f.truncate()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, unlike mkstemp's 0600
     try:

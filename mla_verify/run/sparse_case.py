@@ -16,12 +16,12 @@ import torch
 
 from ..backends.base import SparseBackend
 from ..core.bits import changed_elements, same_bits
-from ..core.memory import device_fault
+from ..core.memory import device_fault, is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..judge.sparse_judge import diagnose_sparse, judge_sparse
 from ..problems.sparse import SparseSpec, build_sparse_problem
 from ..problems.sparse_reference import sparse_reference
-from .harness import Stages, crashed, hung_line
+from .harness import OUT_OF_MEMORY, Stages, crashed, hung_line
 from .watchdog import KernelTimeout, time_limit
 
 
@@ -56,12 +56,16 @@ def run_sparse_case(backend: SparseBackend, spec: SparseSpec, device: torch.devi
     stage = Stages(device, result.stages, on_stage)
     try:
         _judge(backend, spec, device, diagnose, kernel_seconds, result, stage)
-    except Exception as exc:  # noqa: BLE001 - a device fault is the case's crash; anything else the suite's bug
-        fault = device_fault(exc)
-        if fault is None:
+    except Exception as exc:  # noqa: BLE001 - a device fault is the case's crash, out of memory a skip (as
+        fault = device_fault(exc)  # harness.run_case's); anything else the suite's bug
+        if fault is not None:
+            crashed(result, fault, stage.current)
+            result.context_lost = True
+        elif is_out_of_memory(exc):
+            release_cached(device)
+            result.verdict, result.reason, result.failures, result.diagnosis = "skip", OUT_OF_MEMORY, [], []
+        else:
             raise
-        crashed(result, fault, stage.current)
-        result.context_lost = True
     return result
 
 
@@ -86,7 +90,7 @@ def _judge(backend: SparseBackend, spec: SparseSpec, device: torch.device, diagn
         result.hung = True
         failures.append(hung_line(exc))
     except Exception as exc:  # noqa: BLE001 - a kernel's error is its verdict
-        if device_fault(exc) is not None:
+        if device_fault(exc) is not None or is_out_of_memory(exc):
             raise
         failures.append(f"the kernel raised {exception_line(exc)}")
     for name, before in snapshot.items():
