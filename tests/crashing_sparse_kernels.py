@@ -6,6 +6,7 @@ FlashMLA for ``gathers_past_its_pool``, a GPU kernel: tests/gpu/test_crash_gpu.p
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import signal
 from collections.abc import Callable
@@ -50,7 +51,21 @@ def _out_of_memory() -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def _every_third_call_wrong() -> FlashMLASparseBackend:
+    """Not a crash: output doubled on every third call, so a replay may pass (a flaky kernel)."""
+    stand_in, calls = SparseStandIn(name="every_third_call_wrong"), itertools.count()
+
+    @functools.wraps(stand_in.flash_mla_with_kvcache)
+    def decode(*args: Any, **kwargs: Any) -> Any:
+        out, lse = stand_in.flash_mla_with_kvcache(*args, **kwargs)
+        return (out * 2 if next(calls) % 3 == 0 else out), lse
+
+    return FlashMLASparseBackend("flashmla-sparse-cpu[every_third_call_wrong]",
+                                 FlashMLAApi(stand_in.get_mla_metadata, decode), CPU_SPARSE_ENVELOPE)
+
+
 segfaults_on_large_index = _crashing("segfaults_on_large_index", _segfault)
+every_third_call_wrong = _every_third_call_wrong()
 out_of_memory_on_large_index = _crashing("out_of_memory_on_large_index", _out_of_memory)
 aborts_on_large_index = _crashing("aborts_on_large_index", os.abort)
 cuda_error_on_large_index = _crashing("cuda_error_on_large_index", _cuda_error)

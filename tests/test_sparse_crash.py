@@ -87,3 +87,11 @@ def test_out_of_memory_skips_the_sparse_case_as_the_dense_harness_does():
     spec = SparseSpec(batch=1, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.0)
     result = run_sparse_case(out_of_memory_on_large_index, spec, "cpu")
     assert (result.verdict, result.reason, result.failures) == ("skip", OUT_OF_MEMORY, [])
+
+
+def test_a_flaky_sparse_kernel_is_reported_not_an_internal_error():
+    """Hypothesis raises Flaky when the minimal case passes on its replay: the failure seen is the report."""
+    from crashing_sparse_kernels import every_third_call_wrong
+
+    run = verify_sparse(every_third_call_wrong, "cpu", "dev")
+    assert run.verdict == "fail" and run.failure is not None and run.failure.failures

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky
 
 from ..backends.base import SparseBackend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
@@ -103,14 +104,14 @@ def _search(backend: SparseBackend, prof: Profile, max_examples: int | None, see
                 if not case.crash:
                     return
                 break
-    last: dict[str, SparseSpec] = {}
+    last: dict[str, SparseCaseResult] = {}  # the last failing case: Hypothesis replays its minimal one last
 
     def check(spec: SparseSpec) -> None:
-        if deadline is not None and time.monotonic() > deadline and "spec" not in last:
+        if deadline is not None and time.monotonic() > deadline and "case" not in last:
             raise _Stop
         case = record(spec, False)
         if case.verdict == "fail":
-            last["spec"] = spec
+            last["case"] = case
             raise _Failed(case.reason)
 
     test = given(sparse_specs(backend.envelope))(check)
@@ -120,5 +121,11 @@ def _search(backend: SparseBackend, prof: Profile, max_examples: int | None, see
     with hypothesis_storage(), draws_free_of_local_source(prof.deterministic):
         try:
             test()
-        except _Failed:
-            run.failure = judged(last["spec"], True)  # the shrunk case, with its diagnosis
+        except (_Failed, Flaky):  # Flaky: the minimal case passed when Hypothesis replayed it
+            if "case" not in last:
+                raise
+            shrunk = last["case"]
+            again = judged(shrunk.spec, True)  # the shrunk case once more, with its diagnosis
+            if again.verdict != "fail":  # as engine._replayed: the failure seen stays the report
+                shrunk.failures.append("did not fail again when replayed (flaky kernel?)")
+            run.failure = again if again.verdict == "fail" else shrunk
