@@ -159,3 +159,22 @@ def test_a_dense_fp8_kernel_that_drops_descale_k_is_caught(flash_mla) -> None:
     flash_mla.flash_mla_with_kvcache = WheelStandIn(MUTANTS["bmm2_ignored"].fn).flash_mla_with_kvcache
     with pytest.raises(ShadowError, match="MISMATCH"), session():
         _decode_fp8(flash_mla)
+
+
+def test_schedules_that_died_are_forgotten() -> None:
+    """An engine takes a new schedule every step: what shadow mode remembers of them must not grow with it."""
+    import gc
+
+    from mla_verify.shadow.entries import FlashMLASchedules
+
+    class Meta:  # a FlashMLASchedMeta: an object the first call fills
+        tile_scheduler_metadata = None
+
+    schedules = FlashMLASchedules()
+    kept = [Meta() for _ in range(3)]
+    for step in range(200):
+        meta = kept[step % 3] if step < 3 else Meta()
+        assert schedules.check(meta, (step,), f"step {step}") == []
+    del meta
+    gc.collect()
+    assert len(schedules._seen) == 3  # the three still alive

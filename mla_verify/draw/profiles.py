@@ -89,14 +89,16 @@ def draws_free_of_local_source(seeded: bool) -> Iterator[None]:
     with no local constants (Hypothesis's built-in constants stay). This reaches into Hypothesis's internals;
     where they have moved nothing changes, and tests/test_engine.py's test of this property fails."""
     original = getattr(providers, "_get_local_constants", None)
-    if not seeded or original is None:
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)  # (built-in, local) per draw kind
+    constants = getattr(providers, "Constants", None)
+    if not seeded or original is None or cache is None or constants is None:
         yield
         return
-    none_local = providers.Constants()
-    providers.CONSTANTS_CACHE.cache.clear()  # holds (built-in, local) constants per kind of draw
+    none_local = constants()
+    cache.clear()
     providers._get_local_constants = lambda: none_local
     try:
         yield
     finally:
         providers._get_local_constants = original
-        providers.CONSTANTS_CACHE.cache.clear()
+        cache.clear()

@@ -225,14 +225,20 @@ class FlashMLASchedules:
         self._seen: dict[int, tuple[weakref.ref, tuple, str]] = {}
 
     def check(self, meta: Any, used_for: tuple, described: str) -> list[Finding]:
+        key = id(meta)
+
+        def forget(dead: weakref.ref) -> None:  # an engine makes a schedule per step: a long session must not grow
+            if key in self._seen and self._seen[key][0] is dead:
+                del self._seen[key]
+
         try:
-            ref = weakref.ref(meta)
+            ref = weakref.ref(meta, forget)
         except TypeError:  # not an object a schedule lives in (upstream-2025 tensors): nothing to track
             return []
-        known = self._seen.get(id(meta))
+        known = self._seen.get(key)
         fresh = getattr(meta, "tile_scheduler_metadata", None) is None  # this call makes the schedule anew
         if known is None or known[0]() is not meta or fresh:
-            self._seen[id(meta)] = (ref, used_for, described)
+            self._seen[key] = (ref, used_for, described)
             return []
         if known[1] == used_for:
             return []
