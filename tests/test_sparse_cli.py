@@ -45,3 +45,19 @@ def test_two_sparse_kernels_failing_on_one_case_keep_a_reproducer_each(capsys, t
     assert code == 1
     assert sorted(json.loads(p.read_text())["backend"] for p in tmp_path.glob("sparse-*.json")) == \
         sorted([MUTANT, other])
+
+
+def test_a_damaged_sparse_reproducer_is_one_line_naming_the_field(capsys, tmp_path):
+    code, _, _ = run_main(capsys, "check", "--kernel", MUTANT, "--device", "cpu", "--fixtures-dir", tmp_path)
+    (path,) = tmp_path.glob("sparse-*.json")
+    meta = json.loads(path.read_text())
+    for edit, words in (({"topk": "64"}, "field 'topk' = '64' is not an integer"),
+                        ({"seed": None}, "field 'seed' = None is not an integer"),
+                        ({"batch": -1}, "sizes must be >= 1")):  # a range: found where the case is built
+        path.write_text(json.dumps({**meta, "spec": {**meta["spec"], **edit}}))
+        for isolated in ("--isolate", "--no-isolate"):
+            code, out, err = run_main(capsys, "replay", path, isolated)
+            assert code == 2 and words in err and err.count("\n") == 1, (edit, isolated, out, err)
+    path.write_text(json.dumps({**meta, "spec": {k: v for k, v in meta["spec"].items() if k != "seed"}}))
+    code, _, err = run_main(capsys, "replay", path)
+    assert code == 2 and "missing field(s) ['seed']" in err

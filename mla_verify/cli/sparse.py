@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..backends import SparseBackend, named_sparse_backend
-from ..core.errors import FixtureError, UsageError
+from ..core.errors import FixtureError, ProblemError, UsageError
 from ..draw.profiles import Profile
 from ..problems.sparse import SparseSpec
 from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_note, in_flight_path
@@ -133,7 +133,10 @@ def replay_sparse(meta: dict[str, Any], path: str, backend_name: str | None, ker
                   case_timeout: float | None = None) -> bool:
     """Re-run a sparse reproducer (isolated unless ``isolate`` is False: its spec always rebuilds its problem);
     True when it fails again."""
-    spec = SparseSpec.from_json(meta.get("spec"))
+    try:
+        spec = SparseSpec.from_json(meta.get("spec"))
+    except ProblemError as e:
+        raise FixtureError(f"{path}: {e}") from None
     target = kernel or backend_name or meta.get("backend")
     if not isinstance(target, str):
         raise FixtureError(f"{path}: records no backend; name one with --backend or --kernel")

@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 
 from ..core.dims import MLADims
 from ..core.errors import ProblemError
+from .json_fields import FieldCheck, checked_fields, is_int, is_ints, is_number
 from .layouts import page_counts, used_entries
 from .problem import FP8, DecodeProblem
 
@@ -86,15 +86,7 @@ class ProblemSpec:
     def from_json(cls, d: Any) -> ProblemSpec:
         """The spec ``to_json`` wrote; a field of the wrong type is a ProblemError naming it (ranges are checked
         when the problem is built)."""
-        if not isinstance(d, dict):
-            raise ProblemError(f"spec: expected an object of fields, got {type(d).__name__}")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ProblemError(f"spec: unknown field(s) {sorted(unknown)}")
-        for name, value in d.items():
-            check, expected = _JSON_FIELDS[name]
-            if not check(value):
-                raise ProblemError(f"spec: field {name!r} = {value!r} is not {expected}")
+        d = checked_fields(d, _JSON_FIELDS, "spec")
         q_lens = d.get("q_lens")
         return cls(**{**d, "seq_lens": tuple(d["seq_lens"]), "q_lens": None if q_lens is None else tuple(q_lens)})
 
@@ -114,27 +106,15 @@ class ProblemSpec:
                 + ("" if self.q_lens is None else f" q_lens={list(self.q_lens)}"))
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(_int(n) for n in v)
-
-
-def _number(v: Any) -> bool:
-    return _int(v) or isinstance(v, float)
-
-
 # what each ProblemSpec field may hold in JSON: (check, what it says when the check fails)
-_JSON_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "seq_lens": (_ints, "a non-empty list of integers"),
-    "q_lens": (lambda v: v is None or _ints(v), "null or a non-empty list of integers"),
-    **{n: (_int, "an integer") for n in ("q_len", "num_heads", "page_size", "kv_lora_rank", "qk_rope_head_dim",
+_JSON_FIELDS: dict[str, FieldCheck] = {
+    "seq_lens": (is_ints, "a non-empty list of integers"),
+    "q_lens": (lambda v: v is None or is_ints(v), "null or a non-empty list of integers"),
+    **{n: (is_int, "an integer") for n in ("q_len", "num_heads", "page_size", "kv_lora_rank", "qk_rope_head_dim",
                                          "qk_nope_head_dim", "extra_pages", "table_pad", "seed")},
-    **{n: (lambda v: v is None or _int(v), "null or an integer") for n in ("max_seq_len", "window_left")},
-    **{n: (_number, "a number") for n in ("q_scale", "k_scale", "bmm2_extra")},
-    "softmax_scale": (lambda v: v is None or _number(v), "null or a number"),
+    **{n: (lambda v: v is None or is_int(v), "null or an integer") for n in ("max_seq_len", "window_left")},
+    **{n: (is_number, "a number") for n in ("q_scale", "k_scale", "bmm2_extra")},
+    "softmax_scale": (lambda v: v is None or is_number(v), "null or a number"),
     "shuffle_pages": (lambda v: isinstance(v, bool), "true or false"),
     "dtype": (lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
     # names: a drawn spec's are VALUE_KINDS and PAD_FILLS, a shadow reproducer's describe live tensors

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..core.errors import ProblemError
+from .json_fields import FieldCheck, checked_fields, is_int, is_ints, is_number
 from .packed import FORMATS, SCALE_CONVENTIONS, dequantize, packed_format, quantize
 from .problem import QueryShape
 
@@ -32,6 +33,21 @@ UNPACKED = "bf16"  # a plain bf16 cache of 576-value rows (no packed format)
 SPARSE_FORMATS = (UNPACKED, *FORMATS)
 SINKS = ("none", "finite", "+inf", "-inf", "mixed")
 SPARSE_VALUES = ("normal", "extreme")
+
+
+# what each SparseSpec field may hold in JSON (from_json)
+_JSON_FIELDS: dict[str, FieldCheck] = {
+    **{n: (is_int, "an integer") for n in ("batch", "q_len", "num_heads", "topk", "page_size", "used_pages",
+                                           "extra_pages", "seed")},
+    "fmt": (lambda v: v in SPARSE_FORMATS, f"one of {list(SPARSE_FORMATS)}"),
+    "scales": (lambda v: v in SCALE_CONVENTIONS, f"one of {list(SCALE_CONVENTIONS)}"),
+    "sink": (lambda v: v in SINKS, f"one of {list(SINKS)}"),
+    "values": (lambda v: v in SPARSE_VALUES, f"one of {list(SPARSE_VALUES)}"),
+    "invalid": (is_number, "a number"),
+    **{n: (lambda v: isinstance(v, bool), "true or false") for n in ("invalid_front", "duplicates")},
+    "topk_lengths": (lambda v: v is None or is_ints(v), "null or a non-empty list of integers"),
+    "softmax_scale": (lambda v: v is None or is_number(v), "null or a number"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +88,9 @@ class SparseSpec:
 
     @classmethod
     def from_json(cls, d: Any) -> SparseSpec:
-        if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
-            raise ProblemError(f"sparse spec: expected an object of SparseSpec fields, got {d!r}")
+        """The spec ``to_json`` wrote, every field of its type (a missing seed would replay another problem);
+        else a ProblemError naming the field. Ranges are checked when the problem is built."""
+        d = checked_fields(d, _JSON_FIELDS, "sparse spec", required=True)
         lengths = d.get("topk_lengths")
         return cls(**{**d, "topk_lengths": None if lengths is None else tuple(lengths)})
 

@@ -36,7 +36,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..backends import Backend, SparseBackend, named_backend, named_sparse_backend
-from ..core.errors import MLAVerifyError, UsageError
+from ..core.errors import FixtureError, MLAVerifyError, ProblemError, UsageError
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats
 from ..problems.generate import ProblemSpec, build_problem
@@ -220,6 +220,9 @@ class _Worker:
         if reply is None:
             return _Death(self._death(), STAGES[self._stage.value] if self._stage.value >= 0 else "")
         header = reply[0]
+        if "malformed" in header:  # raised in the parent as it would have been in-process
+            kind, message = header["malformed"]
+            raise (ProblemError if kind == "ProblemError" else FixtureError)(message)
         if "internal" in header:  # the suite's own bug, as in-process: not the kernel's verdict
             raise RuntimeError(f"in the isolated worker: {header['internal']}")
         if header["context_lost"]:
@@ -372,6 +375,9 @@ def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, t
             return
         try:
             header, tensors = judge(backend, request, device, entered)
+        except (ProblemError, FixtureError) as exc:  # a malformed case (a damaged reproducer): the user's one line
+            _send(conn, {"malformed": [type(exc).__name__, str(exc)]})
+            continue
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as its own
             _send(conn, {"internal": exception_line(exc)})
             return
