@@ -110,3 +110,9 @@ def test_dims_outside_the_envelope_are_said_once() -> None:
 
     reason = WRAPPER_PATHS["fa2"].envelope.why_not(ProblemSpec((8,), kv_lora_rank=1024), LayoutSpec())
     assert reason is not None and reason.count("(1024, 64)") == 1, reason
+
+
+def test_a_sparse_name_where_a_dense_backend_is_wanted_says_which_kind_it_is() -> None:
+    with pytest.raises(UsageError) as err:
+        get_backend("flashmla-sparse")  # e.g. replaying a dense fixture with --backend flashmla-sparse
+    assert str(err.value).startswith("'flashmla-sparse' is a sparse (top-k) backend; it runs sparse cases")

@@ -20,6 +20,8 @@ def test_check_and_replay_a_sparse_mutant(capsys, tmp_path):
     assert json.loads(path.read_text())["backend"] == MUTANT
     code, out, _ = run_main(capsys, "replay", path)
     assert code == 1 and "verdict: FAIL (recorded: FAIL)" in out and "diagnosis: tile_scale_shifted:" in out
+    code, out, _ = run_main(capsys, "replay", path.with_suffix(""))  # by its stem, as replay's help allows
+    assert code == 1 and "verdict: FAIL (recorded: FAIL)" in out
     # the same case against the correct kernel: the reproducer holds the problem, not the kernel's fault
     code, out, _ = run_main(capsys, "replay", path, "--kernel",
                             "mla_verify.kernels.sparse_mutants:correct_sparse_kernel")

@@ -74,6 +74,9 @@ def all_backends() -> dict[str, Backend]:
 
 def get_backend(name: str) -> Backend:
     registry = all_backends()
+    if name in sparse_backends():
+        raise UsageError(f"'{name}' is a sparse (top-k) backend; it runs sparse cases, not this dense one "
+                         f"(dense backends: {', '.join(registry)})")
     if name not in registry:
         known = [*registry, *sparse_backends()]
         raise UsageError(f"unknown backend '{name}'{did_you_mean(name, known)}; known: {', '.join(known)}")

@@ -119,7 +119,9 @@ def _json(meta: dict[str, Any]) -> bytes:
 def sparse_fixture(path: str) -> dict[str, Any] | None:
     """The sparse reproducer at ``path``, or None when it is not one (a dense fixture)."""
     p = Path(path)
-    if p.suffix != ".json" or not p.is_file():
+    if p.suffix != ".json":  # named by its stem, as replay allows
+        p = p.with_name(p.name + ".json")
+    if not p.is_file():
         return None
     try:
         meta = json.loads(p.read_text())
