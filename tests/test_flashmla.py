@@ -285,8 +285,11 @@ def test_installed_but_broken_or_off_sm90_say_so(monkeypatch: pytest.MonkeyPatch
     ([], None, "upstream source build flash_mla (no version)"),  # a source tree on the path
 ])
 def test_doctor_names_the_flashmla_build(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                         distributions: list[str], version: str | None, says: str) -> None:
+                                         request: pytest.FixtureRequest, distributions: list[str], version: str | None,
+                                         says: str) -> None:
     """Read from package metadata, so doctor tells the wheel from a source build without importing either."""
+    flashmla_api.installed_build.cache_clear()  # read once per process: the fakes below are read afresh, and
+    request.addfinalizer(flashmla_api.installed_build.cache_clear)  # forgotten after
     monkeypatch.setattr(flashmla_api.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(flashmla_api.importlib.metadata, "packages_distributions",
                         lambda: {"flash_mla": distributions})

@@ -13,6 +13,7 @@ Whether a FlashMLA backend can run at all (``flashmla_unavailable``) is decided 
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -48,6 +49,7 @@ class FlashMLABuild:
         return f"none ({INSTALL_ROUTE})"
 
 
+@functools.cache  # packages_distributions() scans every installed distribution: asked for every case
 def installed_build() -> FlashMLABuild:
     """Read from the package metadata, without importing ``flash_mla`` (its import loads CUDA extensions)."""
     if importlib.util.find_spec("flash_mla") is None:
@@ -102,6 +104,7 @@ class FlashMLAApi:
         return meta
 
 
+@functools.cache
 def installed_api() -> FlashMLAApi:
     import flash_mla
 
