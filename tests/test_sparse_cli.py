@@ -63,3 +63,30 @@ def test_a_damaged_sparse_reproducer_is_one_line_naming_the_field(capsys, tmp_pa
     path.write_text(json.dumps({**meta, "spec": {k: v for k, v in meta["spec"].items() if k != "seed"}}))
     code, _, err = run_main(capsys, "replay", path)
     assert code == 2 and "missing field(s) ['seed']" in err
+
+
+def test_ctrl_c_while_shrinking_keeps_the_failure_and_the_cases(monkeypatch):
+    """As engine.verify: Ctrl-C after a failure was found (here, the call after it) reports it, cases kept."""
+    from mla_verify.backends import named_sparse_backend
+    from mla_verify.run import sparse_check
+
+    real = sparse_check.sparse_case_judge
+
+    class CtrlCAfterAFailure:
+        def __init__(self, *args, **kwargs) -> None:
+            self.judge, self.failed = real(*args, **kwargs), False
+
+        def __call__(self, spec, diagnose):
+            if self.failed:
+                raise KeyboardInterrupt
+            case = self.judge(spec, diagnose)
+            self.failed = case.verdict == "fail"
+            return case
+
+        def close(self) -> None:
+            self.judge.close()
+
+    monkeypatch.setattr(sparse_check, "sparse_case_judge", CtrlCAfterAFailure)
+    run = sparse_check.verify_sparse(named_sparse_backend(MUTANT), "cpu", "dev", max_examples=20)
+    assert run.interrupted and run.verdict == "fail"
+    assert run.failure is run.cases[-1] and run.failure.verdict == "fail"

@@ -8,7 +8,8 @@ the profile's Hypothesis settings -- seeded, so premerge gives the same cases an
 Hypothesis shrinks the first failure to a minimal spec. A corner case that fails ends the run with its
 diagnosis, unless it crashed isolated: a crash has no output to diagnose, its input is all it tells, so the
 search runs on and a drawn crash, shrunk, is reported instead where one is found. A hung kernel, or a CUDA
-error in this process (its device is then unusable), ends the search at that case.
+error in this process (its device is then unusable), ends the search at that case. Ctrl-C ends it too, as in
+engine.py: the run is marked interrupted and keeps the cases judged so far, its failure the last one seen.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ class SparseRunResult:
     backend: str
     cases: list[SparseCaseResult]
     failure: SparseCaseResult | None = None  # the shrunk first failure
+    unavailable: str | None = None  # why the backend cannot run on this device
+    seconds: float = 0.0
+    interrupted: bool = False  # Ctrl-C: the cases judged until then
 
     @property
     def verdict(self) -> str:
@@ -59,6 +63,7 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     ``isolate`` judges each case in a worker process, which loads the backend by ``target`` (what it was named
     by) when it is not a registered name; ``kernel_seconds`` limits each kernel call; ``on_start`` is told
     each case before it runs."""
+    started = time.monotonic()
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = torch.device(device)
     minutes = prof.minutes if minutes is None else minutes
@@ -66,7 +71,8 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
     run = SparseRunResult(backend.name, [])
     reason = backend.unavailable_reason(device)
     if reason is not None:
-        run.cases.append(SparseCaseResult(backend.name, SparseSpec(), "skip", reason=f"{backend.name}: {reason}"))
+        run.unavailable = f"{backend.name}: {reason}"
+        run.cases.append(SparseCaseResult(backend.name, SparseSpec(), "skip", reason=run.unavailable))
         return run
     judge = sparse_case_judge(backend, device, kernel_seconds, isolate, target)
 
@@ -87,8 +93,12 @@ def verify_sparse(backend: SparseBackend, device: torch.device | str, profile: s
         _search(backend, prof, max_examples, seed, deadline, record, judged, run)
     except _Stop:
         pass
+    except KeyboardInterrupt:  # the failure as it stood (Hypothesis may have been shrinking it) is the report
+        run.interrupted = True
+        run.failure = run.failure or next((c for c in reversed(run.cases) if c.verdict == "fail"), None)
     finally:
         judge.close()
+    run.seconds = time.monotonic() - started
     return run
 
 
