@@ -1,6 +1,7 @@
 """Reports: path validation, the JSON record, JUnit XML, SVG plots, Markdown/HTML and re-rendering."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -11,6 +12,7 @@ from mla_verify.core.errors import UsageError
 from mla_verify.judge.compare import ErrorStats
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.sparse import SparseSpec
 from mla_verify.records.report import (
     build_report,
     check_report_path,
@@ -25,6 +27,8 @@ from mla_verify.records.report import (
 )
 from mla_verify.run.engine import EngineResult
 from mla_verify.run.harness import CaseResult
+from mla_verify.run.sparse_case import SparseCaseResult
+from mla_verify.run.sparse_check import SparseRunResult
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -302,3 +306,53 @@ def test_the_run_section_is_a_table_in_markdown_and_html(tmp_path):
     assert "<td>judged per second</td>" in html
     for text in (md, html):
         assert not re.search(r"\{'|\['|\[\(|True|False|None", text), "a raw Python repr in the report"
+
+
+def _sparse_runs() -> list[SparseRunResult]:
+    spec = SparseSpec(batch=1, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.0)
+    fail = SparseCaseResult("sparse-mutant", spec, "fail", ["max |out - ref| too large"], "max |out - ref| too large",
+                            stages={"kernel": 0.25})
+    diagnosed = SparseCaseResult("sparse-mutant", spec, "fail", fail.failures, fail.reason,
+                                 ["tile_scale_shifted: the scale of the tile before"])
+    skip = SparseCaseResult("sparse-mutant", dataclasses.replace(spec, seed=1), "skip", reason="outside its envelope")
+    bad = SparseRunResult("sparse-mutant", [skip, fail, fail], failure=diagnosed, seconds=0.5)
+    gone = SparseRunResult("flashmla-sparse", [SparseCaseResult("flashmla-sparse", SparseSpec(), "skip")],
+                           unavailable="flashmla-sparse: runs on cuda devices, not cpu")
+    return [bad, gone]
+
+
+def test_sparse_backends_are_counted_and_their_cases_kept_apart(tmp_path):
+    rep = build_report({"command": "mla-verify check"}, _results()[:1], {}, selfcheck="ok", sparse=_sparse_runs(),
+                       sparse_fixtures={"sparse-mutant": "fixtures/regressions/sparse-x.json"})
+    bad, gone = rep["backends"][1:]
+    assert (bad["kind"], bad["verdict"], bad["cases"], gone["verdict"], gone["cases"]) == ("sparse", "fail", 2,
+                                                                                           "skip", 0)
+    assert bad["failure"]["fixture"] == "fixtures/regressions/sparse-x.json"
+    assert {c["backend"] for c in rep["cases"]} == {"peer"}  # the plots read dense specs only
+    failing = [c for c in rep["sparse_cases"] if c["verdict"] == "fail"]
+    assert len(rep["sparse_cases"]) == 2 and failing[0]["diagnosis"] == bad["failure"]["diagnosis"]
+    assert verdict_banner(rep)[0] == "FAIL"
+    path = tmp_path / "r.json"
+    write_report(path, rep)
+    root = ET.fromstring(output_paths(path)["xml"].read_text())
+    suites = {s.get("name"): s for s in root}
+    mutant = suites["mla-verify.sparse-mutant"]
+    assert (mutant.get("tests"), mutant.get("failures"), mutant.get("skipped")) == ("2", "1", "1")
+    assert suites["mla-verify.flashmla-sparse"].get("skipped") == "1"
+    assert "tile_scale_shifted" in mutant.find("testcase/failure").text
+    md = output_paths(path)["md"].read_text()
+    assert "| sparse-mutant | fail | 2 | 0 | 1 | 1 |" in md and "mla-verify replay fixtures/regressions/sparse-x" in md
+    assert "## Failing sparse cases: 1 of 2" in md
+
+
+def test_a_version_1_report_still_renders(tmp_path):
+    """Before sparse backends were recorded: no kind on a backend, no sparse_cases."""
+    rep = _report()
+    rep["format_version"] = 1
+    del rep["sparse_cases"]
+    for b in rep["backends"]:
+        del b["kind"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(rep))
+    render(load_report(path), path)
+    assert "| mutant | fail | 2 | 1 | 1 | 0 | 30 |" in output_paths(path)["md"].read_text()

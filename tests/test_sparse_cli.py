@@ -4,6 +4,7 @@ that cannot run here is a usage error (exit 2) before any case runs."""
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 
 from test_cli import run_main
 
@@ -63,6 +64,27 @@ def test_a_damaged_sparse_reproducer_is_one_line_naming_the_field(capsys, tmp_pa
     path.write_text(json.dumps({**meta, "spec": {k: v for k, v in meta["spec"].items() if k != "seed"}}))
     code, _, err = run_main(capsys, "replay", path)
     assert code == 2 and "missing field(s) ['seed']" in err
+
+
+def test_a_failing_sparse_backend_is_in_the_report_and_fails_its_junit(capsys, tmp_path):
+    report = tmp_path / "r.json"
+    code, _, _ = run_main(capsys, "check", "--kernel", MUTANT, "--device", "cpu", "--fixtures-dir", tmp_path / "fx",
+                          "--report", report, *DRAWN)
+    assert code == 1
+    rep = json.loads(report.read_text())
+    (backend,) = rep["backends"]
+    assert backend["kind"] == "sparse" and backend["verdict"] == "fail" and backend["cases"] >= 1
+    assert "tile_scale_shifted:" in " ".join(backend["failure"]["diagnosis"])
+    (fixture,) = (tmp_path / "fx").glob("sparse-*.json")
+    assert backend["failure"]["fixture"] == str(fixture)
+    mine = [c for c in rep["sparse_cases"] if c["backend"] == backend["name"]]
+    assert len(mine) == backend["cases"] and any(c["verdict"] == "fail" for c in mine)
+    assert all(c["backend"] != backend["name"] for c in rep["cases"])  # dense readers see no sparse spec
+    assert "**FAIL** -- 1 of 1 backends failed" in (tmp_path / "r.md").read_text()
+    root = ET.parse(tmp_path / "r.xml").getroot()
+    (suite,) = root.findall("testsuite")
+    assert int(root.get("failures")) >= 1 and int(suite.get("failures")) >= 1
+    assert int(suite.get("tests")) == len(suite.findall("testcase")) == len(mine)
 
 
 def test_ctrl_c_while_shrinking_keeps_the_failure_and_the_cases(monkeypatch):

@@ -229,8 +229,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
                   f"{len(backends) - len(results)} backend(s) not run", flush=True)
             break
 
-    sparse_failed = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.minutes,
-                                 ns.fixtures_dir, isolate, ns.case_timeout)
+    sparse_runs, sparse_fixtures = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.minutes,
+                                                ns.fixtures_dir, isolate, ns.case_timeout)
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -249,10 +249,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
                "interrupted": any(r.interrupted for r in results),
                **warmup.run_fields(),
                "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
-        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
+        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe(),
+                              sparse=sparse_runs, sparse_fixtures=sparse_fixtures)
         print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
-    failed = not selfcheck.ok or sparse_failed or any(r.failure is not None for r in results)
-    ran = sum(r.unavailable is None for r in results) + sum(b.unavailable_reason(device) is None for b, _ in sparse)
+    failed = not selfcheck.ok or any(r.failure is not None for r in results) or \
+        any(r.failure is not None for r in sparse_runs)
+    ran = sum(r.unavailable is None for r in results) + sum(r.unavailable is None for r in sparse_runs)
     if not ran and not failed:
         print("no backend could run here: only the reference self-check ran")
     if any(r.interrupted for r in results):

@@ -26,7 +26,7 @@ from ..records.failure import IN_FLIGHT_REASON, crash_line, in_flight_note, in_f
 from ..records.fixtures import atomic_write, overwrite_in_place
 from ..run.isolate import sparse_case_judge
 from ..run.sparse_case import SparseCaseResult
-from ..run.sparse_check import verify_sparse
+from ..run.sparse_check import SparseRunResult, verify_sparse
 
 KIND = "sparse-regression"
 
@@ -40,18 +40,20 @@ def require_runnable(chosen: list[tuple[SparseBackend, str | None]], device: tor
 
 def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.device, profile: Profile,
                  seed: int | None, max_examples: int | None, minutes: float | None, fixtures_dir: Path,
-                 isolate: bool = False, case_timeout: float | None = None) -> bool:
-    """Run each sparse backend; print its summary and, on failure, the case, diagnosis and reproducer. True if
-    any failed. In-process, each case is written to the in-flight record before it runs."""
-    failed = False
+                 isolate: bool = False, case_timeout: float | None = None
+                 ) -> tuple[list[SparseRunResult], dict[str, str]]:
+    """Run each sparse backend; print its summary and, on failure, the case, diagnosis and reproducer. Returns
+    the runs (one that cannot run here is recorded as unavailable) and the reproducers written, by backend
+    name. In-process, each case is written to the in-flight record before it runs."""
+    runs: list[SparseRunResult] = []
+    fixtures: dict[str, str] = {}
     in_flight = in_flight_path(fixtures_dir)
     for backend, _ in chosen:
         if (reason := backend.unavailable_reason(device)) is not None:
             print(f"skipped {backend.name}: {reason}", flush=True)
     for backend, target in chosen:
-        if backend.unavailable_reason(device) is not None:
-            continue
-        if not isolate:
+        available = backend.unavailable_reason(device) is None
+        if available and not isolate:
             fixtures_dir.mkdir(parents=True, exist_ok=True)
             print(in_flight_note(in_flight), flush=True)
 
@@ -61,17 +63,21 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
 
         run = verify_sparse(backend, device, profile, max_examples=max_examples, seed=seed or 0, minutes=minutes,
                             isolate=isolate, kernel_seconds=case_timeout, on_start=None if isolate else starting,
-                            target=target)
+                            target=target)  # an unavailable backend: a run recording why, no case run
+        runs.append(run)
+        if not available:
+            continue
         in_flight.unlink(missing_ok=True)
         counts = {v: sum(c.verdict == v for c in run.cases) for v in ("pass", "fail", "skip")}
         n = len(run.cases)
         print(f"{backend.name}: {run.verdict.upper()} -- {n} sparse case{'s' * (n != 1)} ({counts['pass']} passed, "
               f"{counts['fail']} failed, {counts['skip']} skipped)", flush=True)
         if run.failure is not None:
-            failed = True
             path = save_sparse_reproducer(fixtures_dir, run.failure, backend, target, device)
+            if path is not None:
+                fixtures[run.backend] = str(path)
             print("\n" + "\n".join(failure_lines(run.failure, path)))
-    return failed
+    return runs, fixtures
 
 
 def failure_lines(case: SparseCaseResult, path: Path | None) -> list[str]:

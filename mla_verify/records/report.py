@@ -4,6 +4,9 @@
 plots (``out.err-vs-seq.svg``, ``out.err-vs-heads.svg``) that the Markdown links and the HTML inlines.
 Everything but the JSON is rendered from the JSON alone, so ``mla-verify report out.json`` re-renders them.
 Plots are plain SVG drawn here: no plotting dependency, and every runner can write them.
+
+Sparse (top-k) backends are entries of ``backends`` too (``"kind": "sparse"``), so the verdict, the tables and
+JUnit count them; their cases are in ``sparse_cases``, apart from the dense ``cases``, whose specs the plots read.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from .run_table import settings_rows, time_table
 if TYPE_CHECKING:
     from ..run.engine import EngineResult
     from ..run.harness import CaseResult
+    from ..run.sparse_case import SparseCaseResult
+    from ..run.sparse_check import SparseRunResult
 
 FORMAT = "mla-verify-report"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sparse backends in backends ("kind"), their cases in sparse_cases; 1: dense only
 RENDERED = {"xml": ".xml", "md": ".md", "html": ".html"}
 PLOTS = {"seq": ("err-vs-seq", "longest sequence in the case, tokens", "max_seq"),
          "heads": ("err-vs-heads", "heads", "heads")}
@@ -104,12 +109,11 @@ def junit_xml(report: dict[str, Any]) -> str:
     for backend in report.get("backends", []):
         suite = ET.SubElement(root, "testsuite", name=f"mla-verify.{backend['name']}")
         counts = {"tests": 0, "failures": 0, "skipped": 0}
-        cases = [c for c in report["cases"] if c["backend"] == backend["name"]]
         if backend.get("unavailable"):
             tc = ET.SubElement(suite, "testcase", classname=f"mla-verify.{backend['name']}", name="available")
             ET.SubElement(tc, "skipped", message=backend["unavailable"])
             counts["tests"], counts["skipped"] = 1, 1
-        for c in cases:
+        for c in backend_cases(report, backend):
             tc = ET.SubElement(suite, "testcase", classname=f"mla-verify.{c['backend']}",
                                name=f"{c['id']} {_short(c)}", time=f"{c.get('seconds', 0):.3f}")
             counts["tests"] += 1
@@ -117,7 +121,8 @@ def junit_xml(report: dict[str, Any]) -> str:
                 counts["failures"] += 1
                 fail = ET.SubElement(tc, "failure", message=c.get("reason") or "failed")
                 fail.text = "\n".join(c.get("failures", []) + [f"diagnosis: {d}" for d in c.get("diagnosis", [])]
-                                      + [f"case: {json.dumps(c['spec'])}", f"layout: {json.dumps(c['layout'])}"])
+                                      + [f"case: {json.dumps(c['spec'])}"]
+                                      + ([f"layout: {json.dumps(c['layout'])}"] if "layout" in c else []))
             elif c["verdict"] == "skip":
                 counts["skipped"] += 1
                 ET.SubElement(tc, "skipped", message=c.get("reason") or "skipped")
@@ -131,7 +136,16 @@ def junit_xml(report: dict[str, Any]) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
+def backend_cases(report: dict[str, Any], backend: dict[str, Any]) -> list[dict[str, Any]]:
+    """A backend's cases: from ``sparse_cases`` for a sparse one, else ``cases`` (a report of version 1 has
+    only dense backends, without a kind)."""
+    kind = "sparse_cases" if backend.get("kind") == "sparse" else "cases"
+    return [c for c in report.get(kind, []) if c["backend"] == backend["name"]]
+
+
 def _short(c: dict[str, Any]) -> str:
+    if "description" in c:  # a sparse case: its own spec schema, described when it was recorded
+        return str(c["description"])
     s = c["spec"]
     lens = s["seq_lens"]
     q = s["q_len"] if s.get("q_lens") is None else f"{s['q_len']}(ragged)"
@@ -338,7 +352,7 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
     blocks.append(("h", 2, "Backends"))
     rows = []
     for b in report.get("backends", []):
-        mine = [c for c in cases if c["backend"] == b["name"]]
+        mine = backend_cases(report, b)
         count = count_verdicts(c["verdict"] for c in mine)
         judged = [c for c in mine if c.get("stats") or c["verdict"] == "fail"]
         worst = _ratio_text(max(judged, key=_sort_key)) if judged else ""
@@ -380,6 +394,12 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
     blocks.append(("table", ["id", "backend", "verdict", "error/allowed", "case", "reason"],
                    [[c["id"], c["backend"], c["verdict"], _ratio_text(c), _short(c), c.get("reason", "")]
                     for c in judged[:WORST_SHOWN]]))
+    sparse = report.get("sparse_cases", [])
+    if sparse:  # no error statistics to plot: the failing ones are listed
+        failing = [c for c in sparse if c["verdict"] == "fail"]
+        blocks.append(("h", 2, f"Failing sparse cases: {len(failing)} of {len(sparse)}"))
+        blocks.append(("table", ["id", "backend", "case", "reason"],
+                       [[c["id"], c["backend"], _short(c), c.get("reason", "")] for c in failing[:WORST_SHOWN]]))
     return blocks
 
 
@@ -470,10 +490,12 @@ def invariance_line(backend: str, counts: dict[str, int]) -> str | None:
 
 
 def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dict[str, str],
-                 platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
-    """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id).
+                 platform: str | None = None, selfcheck: str | None = None, sparse: Iterable[SparseRunResult] = (),
+                 sparse_fixtures: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id); sparse
+    backends' cases apart, in ``sparse_cases`` (their spec is another schema).
 
-    ``fixtures`` maps a backend name to the reproducer written for its failure.
+    ``fixtures`` (``sparse_fixtures``) maps a dense (sparse) backend name to the reproducer written for its failure.
     """
     cases: list[dict[str, Any]] = []
     recorded: set[str] = set()  # ids hash the backend's name: one run twice (--kernel X twice) repeats them
@@ -487,10 +509,25 @@ def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dic
             failure = {"id": r.failure.id, "case": r.failure.describe(), "failures": r.failure.failures,
                        "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend),
                        "first_failing": r.failure.to_json()["first_failing"]}
-        backends.append({"name": r.backend, "verdict": r.verdict, "unavailable": r.unavailable,
+        backends.append({"name": r.backend, "kind": "dense", "verdict": r.verdict, "unavailable": r.unavailable,
                          "cases": len(distinct), "seconds": round(r.seconds, 3),
                          "timed_out": r.timed_out, "failure": failure,
                          "resolved": resolutions(c.resolved_backend for c in distinct),
                          "invariance": invariance_counts(distinct)})
+    sparse_cases: list[dict[str, Any]] = []
+    for s in sparse:
+        judged: dict[str, SparseCaseResult] = {}
+        for c in [] if s.unavailable else s.cases:  # an unavailable backend's one skip is no case it ran
+            judged.setdefault(c.id, c)
+        if s.failure is not None:  # the failure as reported: diagnosed, where its first judging was not
+            judged[s.failure.id] = s.failure
+        sparse_cases += [c.to_json() for c in judged.values() if c.id not in recorded]
+        recorded.update(judged)
+        failure = None if s.failure is None else {
+            "id": s.failure.id, "case": s.failure.describe(), "failures": s.failure.failures,
+            "diagnosis": s.failure.diagnosis, "fixture": (sparse_fixtures or {}).get(s.backend)}
+        backends.append({"name": s.backend, "kind": "sparse", "verdict": s.verdict, "unavailable": s.unavailable,
+                         "cases": len(judged), "seconds": round(s.seconds, 3), "interrupted": s.interrupted,
+                         "failure": failure})
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
-            "selfcheck": selfcheck, "backends": backends, "cases": cases}
+            "selfcheck": selfcheck, "backends": backends, "cases": cases, "sparse_cases": sparse_cases}

@@ -8,9 +8,12 @@ is a crash of the case, as in harness.py (``context_lost``: this process can jud
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,8 +41,23 @@ class SparseCaseResult:
     hung: bool = False  # the kernel ran past its time limit
     stages: dict[str, float] = field(default_factory=dict)  # seconds per harness.STAGES entry that ran
 
+    @property
+    def id(self) -> str:
+        """Stable across runs and machines: a hash of backend and spec (seed included), as CaseResult.id."""
+        blob = json.dumps([self.backend, self.spec.to_json()], sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
     def describe(self) -> str:
         return f"[{self.backend}] {self.spec.describe()}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The case as a report records it (records/report.py's ``sparse_cases``); seconds: its stages' sum."""
+        return {"id": self.id, "backend": self.backend, "verdict": self.verdict, "reason": self.reason,
+                "failures": self.failures, "diagnosis": self.diagnosis,
+                "seconds": round(sum(self.stages.values()), 4),
+                "stages": {k: round(v, 5) for k, v in self.stages.items()},
+                **({"crash": self.crash} if self.crash else {}), "spec": self.spec.to_json(),
+                "description": self.spec.describe()}
 
 
 def run_sparse_case(backend: SparseBackend, spec: SparseSpec, device: torch.device | str, diagnose: bool = True,
