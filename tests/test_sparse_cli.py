@@ -4,9 +4,13 @@ that cannot run here is a usage error (exit 2) before any case runs."""
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
-from test_cli import run_main
+from test_cli import BAD, FAST, run_main
+
+from mla_verify.core.cli_args import EXIT_INTERRUPTED
 
 MUTANT = "mla_verify.kernels.sparse_mutants:tile_scale_shifted"
 DRAWN = ("--max-examples", "5")  # the corner cases catch the mutant; a few draws show the drawn path runs
@@ -85,6 +89,45 @@ def test_a_failing_sparse_backend_is_in_the_report_and_fails_its_junit(capsys, t
     (suite,) = root.findall("testsuite")
     assert int(root.get("failures")) >= 1 and int(suite.get("failures")) >= 1
     assert int(suite.get("tests")) == len(suite.findall("testcase")) == len(mine)
+
+
+def test_ctrl_c_in_the_sparse_phase_keeps_the_dense_failure(capsys, monkeypatch, tmp_path):
+    from mla_verify.run import sparse_check
+
+    class Interrupted:  # the sparse phase's first case is where Ctrl-C lands
+        def __call__(self, spec, diagnose):
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(sparse_check, "sparse_case_judge", lambda *args, **kwargs: Interrupted())
+    report = tmp_path / "r.json"
+    code, out, _ = run_main(capsys, "check", "--kernel", BAD, "--kernel", MUTANT, *FAST, "--fixtures-dir",
+                            tmp_path / "fx", "--report", report)
+    assert code == EXIT_INTERRUPTED, out
+    assert "FAIL cli_kernels:wrong_scale" in out
+    path = re.search(r"reproducer: (\S+)", out).group(1)
+    assert Path(path).is_file() and not Path(path).name.startswith("sparse-")
+    rep = json.loads(report.read_text())
+    assert rep["run"]["interrupted"] and [b["kind"] for b in rep["backends"]] == ["dense", "sparse"]
+
+
+def test_a_dense_run_interrupted_skips_the_sparse_phase(capsys, monkeypatch, tmp_path):
+    import slow_kernels
+
+    from mla_verify.run import sparse_check
+
+    def never(*args, **kwargs):
+        raise AssertionError("the sparse phase ran after Ctrl-C")
+
+    monkeypatch.setattr(sparse_check, "sparse_case_judge", never)
+    monkeypatch.setenv("CALLS_BEFORE_CTRL_C", "2")
+    monkeypatch.setattr(slow_kernels.interrupted_after_calls, "calls", 0)
+    code, out, _ = run_main(capsys, "check", "--kernel", "slow_kernels:interrupted_after_calls", "--kernel", MUTANT,
+                            *FAST, "--fixtures-dir", tmp_path)
+    assert code == EXIT_INTERRUPTED, out
+    assert "1 backend(s) not run" in out and not list(tmp_path.glob("sparse-*.json"))
 
 
 def test_ctrl_c_while_shrinking_keeps_the_failure_and_the_cases(monkeypatch):

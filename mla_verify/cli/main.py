@@ -226,11 +226,10 @@ def cmd_check(ns: argparse.Namespace) -> int:
         results.append(result)
         if result.interrupted:
             print(f"interrupted: the report holds the cases judged until then; "
-                  f"{len(backends) - len(results)} backend(s) not run", flush=True)
+                  f"{len(backends) - len(results) + len(sparse)} backend(s) not run", flush=True)
             break
 
-    sparse_runs, sparse_fixtures = check_sparse(sparse, device, profile, ns.seed, ns.max_examples, ns.minutes,
-                                                ns.fixtures_dir, isolate, ns.case_timeout)
+    # the dense failures are saved and printed before the sparse phase: a Ctrl-C there must not lose them
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -242,11 +241,15 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for r in results:
         if r.failure is not None:
             print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
+    interrupted = any(r.interrupted for r in results)
+    sparse_runs, sparse_fixtures = ([], {}) if interrupted else check_sparse(
+        sparse, device, profile, ns.seed, ns.max_examples, ns.minutes, ns.fixtures_dir, isolate, ns.case_timeout)
+    interrupted = interrupted or any(r.interrupted for r in sparse_runs)
     if report_path is not None:
         run = {"command": ns.command_line,
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
                "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2),
-               "interrupted": any(r.interrupted for r in results),
+               "interrupted": interrupted,
                **warmup.run_fields(),
                "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
         report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe(),
@@ -257,7 +260,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     ran = sum(r.unavailable is None for r in results) + sum(r.unavailable is None for r in sparse_runs)
     if not ran and not failed:
         print("no backend could run here: only the reference self-check ran")
-    if any(r.interrupted for r in results):
+    if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_DISCREPANCY if failed else EXIT_OK
 

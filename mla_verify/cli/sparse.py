@@ -44,14 +44,15 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
                  ) -> tuple[list[SparseRunResult], dict[str, str]]:
     """Run each sparse backend; print its summary and, on failure, the case, diagnosis and reproducer. Returns
     the runs (one that cannot run here is recorded as unavailable) and the reproducers written, by backend
-    name. In-process, each case is written to the in-flight record before it runs."""
+    name. In-process, each case is written to the in-flight record before it runs. Ctrl-C ends the run in
+    progress (kept, marked interrupted) and leaves the rest unrun."""
     runs: list[SparseRunResult] = []
     fixtures: dict[str, str] = {}
     in_flight = in_flight_path(fixtures_dir)
     for backend, _ in chosen:
         if (reason := backend.unavailable_reason(device)) is not None:
             print(f"skipped {backend.name}: {reason}", flush=True)
-    for backend, target in chosen:
+    for i, (backend, target) in enumerate(chosen):
         available = backend.unavailable_reason(device) is None
         if available and not isolate:
             fixtures_dir.mkdir(parents=True, exist_ok=True)
@@ -71,12 +72,17 @@ def check_sparse(chosen: list[tuple[SparseBackend, str | None]], device: torch.d
         counts = {v: sum(c.verdict == v for c in run.cases) for v in ("pass", "fail", "skip")}
         n = len(run.cases)
         print(f"{backend.name}: {run.verdict.upper()} -- {n} sparse case{'s' * (n != 1)} ({counts['pass']} passed, "
-              f"{counts['fail']} failed, {counts['skip']} skipped)", flush=True)
+              f"{counts['fail']} failed, {counts['skip']} skipped){' (interrupted)' if run.interrupted else ''}",
+              flush=True)
         if run.failure is not None:
             path = save_sparse_reproducer(fixtures_dir, run.failure, backend, target, device)
             if path is not None:
                 fixtures[run.backend] = str(path)
             print("\n" + "\n".join(failure_lines(run.failure, path)))
+        if run.interrupted:
+            print(f"interrupted: the report holds the cases judged until then; {len(chosen) - i - 1} sparse "
+                  "backend(s) not run", flush=True)
+            break
     return runs, fixtures
 
 
