@@ -71,6 +71,7 @@ def test_adapter_passes_exactly_the_wheels_fp8_arguments(spec: ProblemSpec) -> N
     dq, dk = kw["descale_q"], kw["descale_k"]
     assert dq.dtype == dk.dtype == torch.float32 and dq.shape == dk.shape == (1,)
     # scores = softmax_scale * descale_q * descale_k * q.k and O = P.V * descale_k (the wheel's fp8 kernel)
+    # rel_tol 1e-6: the descales travel as fp32 tensors (2^-24 relative rounding each), the scales as floats
     assert math.isclose(kw["softmax_scale"] * float(dq) * float(dk), problem.bmm1_scale, rel_tol=1e-6)
     assert math.isclose(float(dk), problem.bmm2_scale, rel_tol=1e-6) and prepared.output_scale == 1.0
 
