@@ -18,7 +18,8 @@ from mla_verify.backends.base import PreparedCall
 from mla_verify.backends.flashmla_api import FlashMLAApi, installed_api
 from mla_verify.backends.flashmla_sparse import FlashMLASparseBackend
 from mla_verify.kernels.sparse_mutants import CPU_SPARSE_ENVELOPE, SparseStandIn
-from mla_verify.problems.sparse import SparseDecodeProblem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem
 
 # two 64-token pages hold slots 0..127: a larger index needs a pool of more (sparse_strategies draws two used
 # pages and no spare one at the least)
@@ -76,7 +77,7 @@ class _GathersPastItsPool(FlashMLASparseBackend):
     rows past its pool through torch's indexing, as a kernel trusting its indices reads: on CUDA a device-side
     assert, which leaves the process's CUDA context unusable."""
 
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+    def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         if self.api is None:  # flash_mla is imported only where this backend runs
             real = installed_api()
 
@@ -90,7 +91,7 @@ class _GathersPastItsPool(FlashMLASparseBackend):
                 return real.flash_mla_with_kvcache(q, k_cache, *args, indices=indices, **kwargs)
 
             self.api = FlashMLAApi(real.get_mla_metadata, decode, real.get_mla_decoding_metadata)
-        return super().prepare(problem)
+        return super().prepare(problem, layout)
 
 
 gathers_past_its_pool = _GathersPastItsPool("flashmla-sparse[gathers_past_its_pool]")

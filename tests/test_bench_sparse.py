@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_bench import TINY_AXES, FakeClock, fake_backends
 
-from mla_verify.backends import SparseBackend, sparse_backends
+from mla_verify.backends import Backend, all_backends
 from mla_verify.backends.base import PreparedCall
 from mla_verify.backends.flashmla_api import FlashMLAApi
 from mla_verify.bench import measure as bench
@@ -23,7 +23,8 @@ from mla_verify.bench.measure import BenchResult, bench_main, compare_results, r
 from mla_verify.bench.sparse import SPARSE_GRIDS, SparseBenchCase, sparse_case_bytes, sparse_case_flops
 from mla_verify.bench.timing import WallClockTimer
 from mla_verify.kernels.sparse_mutants import SparseStandIn, stand_in_backend
-from mla_verify.problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem, SparseSpec, build_sparse_problem
 
 STAND_IN = "mla_verify.kernels.sparse_mutants:correct_sparse_kernel"
 # 4 heads (the stand-in pads them to 64, as FlashMLA does), topk 64 of a 128-token context: milliseconds a case
@@ -113,15 +114,19 @@ def test_the_cpu_stand_in_is_timed_through_the_command(tmp_path: Path, capsys: p
 
 
 # ------------------------------------------------------------------------------------------------- gate
-class ClockedSparse(SparseBackend):
+def sparse_backends() -> dict[str, Backend]:
+    return {name: b for name, b in all_backends().items() if b.kind == "sparse"}
+
+
+class ClockedSparse(Backend):
     """The CPU stand-in behind a fake clock: each call 'takes' ``seconds``."""
 
     def __init__(self, name: str, clock: FakeClock, seconds: float):
         self.inner = stand_in_backend()
         self.name, self.envelope, self.clock, self.seconds = name, self.inner.envelope, clock, seconds
 
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
-        call = self.inner.prepare(problem)
+    def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
+        call = self.inner.prepare(problem, layout)
 
         def invoke() -> object:
             self.clock.now += self.seconds

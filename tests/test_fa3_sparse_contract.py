@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from mla_verify.backends.fa3_sparse import Fa3SparseBackend
-from mla_verify.judge.sparse_judge import judge_sparse
+from mla_verify.kinds.sparse import SPARSE_KIND
 from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
-from mla_verify.problems.sparse_reference import sparse_reference
 
 
 class WrapperStandIn:
@@ -51,4 +50,4 @@ def test_prepare_gives_the_reference_through_the_wrapper_contract(spec, monkeypa
     call = Fa3SparseBackend().prepare(problem)
     out, lse = call.judged(call.invoke())
     assert lse is not None
-    assert judge_sparse(problem, out, lse * math.log(2), sparse_reference(problem)) == []
+    assert SPARSE_KIND.judge_output(problem, out, lse, 2.0)[1] == []

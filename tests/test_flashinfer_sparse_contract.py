@@ -20,10 +20,10 @@ import pytest
 import torch
 from test_trtllm_contract import FakeLauncher, fake_sm100  # noqa: F401 - fixture: trtllm-gen faked on CPU
 
-from mla_verify.backends import sparse_backends
-from mla_verify.judge.sparse_judge import judge_sparse
+from mla_verify.backends import get_backend
+from mla_verify.kinds.sparse import SPARSE_KIND
 from mla_verify.problems.packed import FORMATS, dequantize
-from mla_verify.problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem, SparseSpec, build_sparse_problem
 from mla_verify.problems.sparse_reference import sparse_reference
 
 fi_decode = pytest.importorskip("flashinfer.decode")
@@ -66,7 +66,7 @@ def bound(rec: Recorder) -> dict[str, Any]:
 @pytest.mark.parametrize("spec", TRTLLM_SPECS, ids=["V32-80heads", "bf16"])
 def test_trtllm_gen_sparse_passes_the_conventions_arguments(recorder: Recorder, spec: SparseSpec) -> None:
     p = build_sparse_problem(spec)
-    prepared = sparse_backends()["trtllm-gen-sparse"].prepare(p)
+    prepared = get_backend("trtllm-gen-sparse").prepare(p)
     prepared.invoke()
     a = bound(recorder)
     B, Q, H, D = p.query.shape
@@ -88,7 +88,7 @@ def test_trtllm_gen_sparse_passes_the_conventions_arguments(recorder: Recorder, 
 @pytest.mark.parametrize("spec", SM120_SPECS, ids=["V32-pow2", "V32-amax", "V32_NO_ROPE"])
 def test_sm120_sparse_passes_the_conventions_arguments(recorder: Recorder, spec: SparseSpec) -> None:
     p = build_sparse_problem(spec)
-    sparse_backends()["flashinfer-sparse-sm120"].prepare(p).invoke()
+    get_backend("flashinfer-sparse-sm120").prepare(p).invoke()
     a = bound(recorder)
     fmt = FORMATS[spec.fmt]
     assert a["query"] is p.query and a["block_tables"] is p.indices and a["backend"] == "sparse"
@@ -107,7 +107,7 @@ def test_sm120_sparse_passes_the_conventions_arguments(recorder: Recorder, spec:
 
 
 def _judge(p: SparseDecodeProblem, out: torch.Tensor, lse_base2: torch.Tensor) -> list[str]:
-    return judge_sparse(p, out, lse_base2 * LN2, sparse_reference(p))
+    return SPARSE_KIND.judge_output(p, out, lse_base2, 2.0)[1]
 
 
 def _computed(query: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, scale: float,
@@ -132,7 +132,7 @@ def test_trtllm_gen_sparse_through_flashinfers_python_layer(fake_sm100: FakeLaun
 
     fake_sm100.trtllm_paged_attention_decode = launch
     p = build_sparse_problem(spec)
-    prepared = sparse_backends()["trtllm-gen-sparse"].prepare(p)
+    prepared = get_backend("trtllm-gen-sparse").prepare(p)
     out, lse = prepared.to_canonical(prepared.invoke())
     assert fake_sm100.args[29] == 1.0  # base 2 asked for: the launcher leaves it
     assert _judge(p, out, lse) == []
@@ -159,7 +159,7 @@ def test_sm120_sparse_through_flashinfers_python_layer(monkeypatch: pytest.Monke
     monkeypatch.setattr(fi_core, "is_sm12x_supported", lambda device: True)
     monkeypatch.setattr(fi_sm120, "functional_run", functional_run)
     p = build_sparse_problem(spec)
-    prepared = sparse_backends()["flashinfer-sparse-sm120"].prepare(p)
+    prepared = get_backend("flashinfer-sparse-sm120").prepare(p)
     out, lse = prepared.to_canonical(prepared.invoke())
     assert seen["rest"]["sink"] is None and not seen["rest"]["is_dsv4_nvfp4"]
     assert _judge(p, out, lse) == []
@@ -173,6 +173,6 @@ def test_on_an_h200_each_skips_with_its_reason(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    backend = sparse_backends()[name]
+    backend = get_backend(name)
     assert backend.unavailable_reason(torch.device("cuda")) == reason
-    assert backend.why_not(SM120, torch.device("cuda")) == reason
+    assert backend.why_not(SM120, SPARSE_LAYOUT, torch.device("cuda")) == reason

@@ -24,10 +24,11 @@ from mla_verify.core.dims import R1_SOFTMAX_SCALE
 from mla_verify.judge.compare import baseline_result, compare
 from mla_verify.kernels.flashmla_cpu import CPU_FP8_ENVELOPE, WheelStandIn, stand_in_backend
 from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.kinds.dense import DENSE_KIND
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.problem import FP8
-from mla_verify.run.harness import judge_reference, run_case
+from mla_verify.run.harness import run_case
 
 # per-tensor scales away from 1 (q_scale, k_scale, bmm2_extra, softmax all distinct), so a dropped or
 # misplaced descale changes the result by far more than fp8's tolerance
@@ -144,7 +145,7 @@ def test_the_fp8_tolerance_admits_what_flashmla_fp8_measured(heads: int, values:
     spec = ProblemSpec(seq_lens=(1, 63, 64, 65, 140, 4096), num_heads=heads, page_size=64, dtype="fp8",
                        q_scale=2.0, k_scale=0.375, softmax_scale=R1_SOFTMAX_SCALE, values=values, seed=heads)
     problem = build_problem(spec)
-    ref = judge_reference(problem)
+    ref = DENSE_KIND.reference(problem)
     stats, failures = compare(ref.out.to(torch.bfloat16), ref.lse, ref, baseline_result(problem, "fp8"), "fp8",
                               math.e)
     assert stats is not None, failures  # the reference against itself in bf16: only the allowance is read here

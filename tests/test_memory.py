@@ -10,6 +10,7 @@ from mla_verify.core import memory
 from mla_verify.core.errors import UsageError
 from mla_verify.draw.strategies import Budget
 from mla_verify.kernels.mutants import MUTANTS, correct_kernel
+from mla_verify.kinds.dense import DenseKind
 from mla_verify.problems import metamorphic
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
@@ -29,9 +30,9 @@ def cuda_oom_kernel(*args, **kwargs):
     raise RuntimeError("CUDA error: out of memory")  # how a kernel's own failed allocation surfaces
 
 
-@pytest.mark.parametrize("stage", ["build_problem", "judge_reference", "baseline_result", "compare"])
+@pytest.mark.parametrize("stage", ["build", "reference", "baseline", "compare"])
 def test_oom_in_a_stage_of_the_suite_is_a_memory_skip(monkeypatch, stage):
-    monkeypatch.setattr(harness, stage, oom)
+    monkeypatch.setattr(*((harness, stage) if stage == "compare" else (DenseKind, stage)), oom)
     r = run_case(TrtllmStyleBackend("correct", correct_kernel), SPEC, LAYOUT, "cpu", "pages")
     assert (r.verdict, r.skip_kind) == ("skip", SKIP_MEMORY), r.failures
     assert "out of device memory" in r.reason and not r.failures

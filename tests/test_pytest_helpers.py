@@ -109,12 +109,13 @@ def test_random_shards_search_with_their_own_seeds_and_share_of_the_examples():
 def test_each_shard_runs_its_share_of_the_corner_cases(monkeypatch: pytest.MonkeyPatch) -> None:
     """Corner cases are most of premerge's time on CPU: a shard that ran them all would stall `-n N`."""
     from mla_verify.draw import strategies
+    from mla_verify.kinds.dense import DenseKind
     from mla_verify.run import engine
 
     backend = load_kernel("cli_kernels:good")
     corners = strategies.corner_cases(backend.envelope, strategies.budget_for("cpu"))
     assert len(corners) >= 4
-    monkeypatch.setattr(engine, "corner_cases", lambda env, budget: corners[:4])
+    monkeypatch.setattr(DenseKind, "corner_cases", lambda self, env, budget: corners[:4])
     dev = replace(get_profile("dev"), max_examples=1, corner_cases=True)
 
     def corner_ids(profile: Profile, corners: int) -> list[str]:  # the corner cases come first

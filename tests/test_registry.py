@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mla_verify.backends as registry
-from mla_verify.backends import ENTRY_POINT_GROUP, all_backends, builtin_backends, get_backend, sparse_backends
+from mla_verify.backends import ENTRY_POINT_GROUP, all_backends, builtin_backends, get_backend
 from mla_verify.backends.cpu_peer import cpu_peer_backend
 from mla_verify.core.errors import UsageError
 from mla_verify.problems.generate import ProblemSpec
@@ -22,7 +22,8 @@ SPEC = ProblemSpec(seq_lens=(9, 40), num_heads=8, page_size=32, seed=1)
 
 def test_builtins_are_every_flashinfer_path_and_the_cpu_peer() -> None:
     names = [b.name for b in builtin_backends()]
-    assert sorted(names) == sorted(GPU_BACKENDS + ("flashmla", "flashmla-fp8", "cpu-peer"))  # tests/test_flashmla*.py
+    sparse = ("flashmla-sparse", "fa3-sparse", "trtllm-gen-sparse", "flashinfer-sparse-sm120")
+    assert sorted(names) == sorted(GPU_BACKENDS + ("flashmla", "flashmla-fp8", "cpu-peer") + sparse)
     assert list(all_backends()) == names  # no plugins installed here; order is stable
     for backend in builtin_backends():
         assert backend.description and backend.envelope.devices
@@ -56,7 +57,7 @@ def test_unknown_backend_is_a_one_line_usage_error(name: str, hint: str) -> None
         get_backend(name)
     message = str(err.value)
     assert "\n" not in message
-    known = [*all_backends(), *sparse_backends()]  # the sparse registry's names are offered too
+    known = list(all_backends())  # dense and sparse (top-k) backends alike
     assert message == f"unknown backend '{name}'{hint}; known: {', '.join(known)}"
 
 
@@ -112,7 +113,17 @@ def test_dims_outside_the_envelope_are_said_once() -> None:
     assert reason is not None and reason.count("(1024, 64)") == 1, reason
 
 
-def test_a_sparse_name_where_a_dense_backend_is_wanted_says_which_kind_it_is() -> None:
-    with pytest.raises(UsageError) as err:
-        get_backend("flashmla-sparse")  # e.g. replaying a dense fixture with --backend flashmla-sparse
-    assert str(err.value).startswith("'flashmla-sparse' is a sparse (top-k) backend; it runs sparse cases")
+def test_a_case_of_another_kind_than_the_backend_judges_says_which_kind_each_is() -> None:
+    from mla_verify.problems.generate import ProblemSpec
+    from mla_verify.problems.layouts import LayoutSpec
+
+    with pytest.raises(UsageError) as err:  # e.g. replaying a dense fixture with --backend flashmla-sparse
+        run_case(get_backend("flashmla-sparse"), ProblemSpec((8,)), LayoutSpec(), "cpu")
+    assert str(err.value) == "flashmla-sparse judges sparse decode problems; this case is a dense one"
+
+
+def test_sparse_backends_are_registered_as_their_kind() -> None:
+    kinds = {name: b.kind for name, b in all_backends().items()}
+    assert {n for n, k in kinds.items() if k == "sparse"} == {"flashmla-sparse", "fa3-sparse", "trtllm-gen-sparse",
+                                                                "flashinfer-sparse-sm120"}
+    assert kinds["fa3"] == kinds["cpu-peer"] == "dense"

@@ -12,7 +12,7 @@ from mla_verify.core.errors import UsageError
 from mla_verify.judge.compare import ErrorStats
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
-from mla_verify.problems.sparse import SparseSpec
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseSpec
 from mla_verify.records.report import (
     build_report,
     check_report_path,
@@ -27,8 +27,6 @@ from mla_verify.records.report import (
 )
 from mla_verify.run.engine import EngineResult
 from mla_verify.run.harness import CaseResult
-from mla_verify.run.sparse_case import SparseCaseResult
-from mla_verify.run.sparse_check import SparseRunResult
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -308,29 +306,32 @@ def test_the_run_section_is_a_table_in_markdown_and_html(tmp_path):
         assert not re.search(r"\{'|\['|\[\(|True|False|None", text), "a raw Python repr in the report"
 
 
-def _sparse_runs() -> list[SparseRunResult]:
+def _sparse_runs() -> list[EngineResult]:
     spec = SparseSpec(batch=1, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.0)
-    fail = SparseCaseResult("sparse-mutant", spec, "fail", ["max |out - ref| too large"], "max |out - ref| too large",
-                            stages={"kernel": 0.25})
-    diagnosed = SparseCaseResult("sparse-mutant", spec, "fail", fail.failures, fail.reason,
-                                 ["tile_scale_shifted: the scale of the tile before"])
-    skip = SparseCaseResult("sparse-mutant", dataclasses.replace(spec, seed=1), "skip", reason="outside its envelope")
-    bad = SparseRunResult("sparse-mutant", [skip, fail, fail], failure=diagnosed, seconds=0.5)
-    gone = SparseRunResult("flashmla-sparse", [SparseCaseResult("flashmla-sparse", SparseSpec(), "skip")],
-                           unavailable="flashmla-sparse: runs on cuda devices, not cpu")
+    layout = SPARSE_LAYOUT
+    stats = ErrorStats(30e-2, 1e-2, 30e-4, 1e-3, 5e-3, 1e-3, 1e-7, (0, 0, 0, 0))
+    fail = CaseResult("sparse-mutant", spec, layout, "none", "fail", ["max |out - ref| too large"],
+                      "max |out - ref| too large", stats=stats, stages={"kernel": 0.25})
+    diagnosed = CaseResult("sparse-mutant", spec, layout, "none", "fail", fail.failures, fail.reason, stats=stats,
+                           diagnosis=["reads each tile with the next tile's scale [tile_scale_shifted]"])
+    skip = CaseResult("sparse-mutant", dataclasses.replace(spec, seed=1), layout, "none", "skip",
+                      reason="outside its envelope")
+    bad = EngineResult("sparse-mutant", "dev", 1, "sparse", [skip, fail, fail], failure=diagnosed, seconds=0.5)
+    gone = EngineResult("flashmla-sparse", "dev", 1, "sparse",
+                        unavailable="flashmla-sparse: runs on cuda devices, not cpu")
     return [bad, gone]
 
 
-def test_sparse_backends_are_counted_and_their_cases_kept_apart(tmp_path):
-    rep = build_report({"command": "mla-verify check"}, _results()[:1], {}, selfcheck="ok", sparse=_sparse_runs(),
-                       sparse_fixtures={"sparse-mutant": "fixtures/regressions/sparse-x.json"})
+def test_sparse_backends_and_cases_are_recorded_as_dense_ones_are(tmp_path):
+    rep = build_report({"command": "mla-verify check"}, _results()[:1] + _sparse_runs(),
+                       {"sparse-mutant": "fixtures/regressions/x.json"}, selfcheck="ok")
     bad, gone = rep["backends"][1:]
     assert (bad["kind"], bad["verdict"], bad["cases"], gone["verdict"], gone["cases"]) == ("sparse", "fail", 2,
                                                                                            "skip", 0)
-    assert bad["failure"]["fixture"] == "fixtures/regressions/sparse-x.json"
-    assert {c["backend"] for c in rep["cases"]} == {"peer"}  # the plots read dense specs only
-    failing = [c for c in rep["sparse_cases"] if c["verdict"] == "fail"]
-    assert len(rep["sparse_cases"]) == 2 and failing[0]["diagnosis"] == bad["failure"]["diagnosis"]
+    assert bad["failure"]["fixture"] == "fixtures/regressions/x.json"
+    sparse = [c for c in rep["cases"] if c["kind"] == "sparse"]
+    failing = [c for c in sparse if c["verdict"] == "fail"]
+    assert len(sparse) == 2 and failing[0]["description"] == SparseSpec(**failing[0]["spec"]).describe()
     assert verdict_banner(rep)[0] == "FAIL"
     path = tmp_path / "r.json"
     write_report(path, rep)
@@ -339,19 +340,32 @@ def test_sparse_backends_are_counted_and_their_cases_kept_apart(tmp_path):
     mutant = suites["mla-verify.sparse-mutant"]
     assert (mutant.get("tests"), mutant.get("failures"), mutant.get("skipped")) == ("2", "1", "1")
     assert suites["mla-verify.flashmla-sparse"].get("skipped") == "1"
-    assert "tile_scale_shifted" in mutant.find("testcase/failure").text
+    assert "max |out - ref|" in mutant.find("testcase/failure").text
     md = output_paths(path)["md"].read_text()
-    assert "| sparse-mutant | fail | 2 | 0 | 1 | 1 |" in md and "mla-verify replay fixtures/regressions/sparse-x" in md
-    assert "## Failing sparse cases: 1 of 2" in md
+    assert "| sparse-mutant | fail | 2 | 0 | 1 | 1 | 30 |" in md and "mla-verify replay fixtures/regressions/x" in md
+    assert "tile_scale_shifted" in md  # its failure's diagnosis
+    assert "sparse-mutant" in output_paths(path)["seq"].read_text()  # plotted at its top-k, as dense at its length
+
+
+def test_a_version_2_report_with_sparse_cases_apart_still_renders(tmp_path):
+    rep = build_report({"command": "mla-verify check"}, _results()[:1] + _sparse_runs(), {}, selfcheck="ok")
+    rep["format_version"] = 2
+    rep["sparse_cases"] = [c for c in rep["cases"] if c["kind"] == "sparse"]
+    rep["cases"] = [c for c in rep["cases"] if c["kind"] != "sparse"]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(rep))
+    render(load_report(path), path)
+    assert "| sparse-mutant | fail | 2 | 0 | 1 | 1 | 30 |" in output_paths(path)["md"].read_text()
 
 
 def test_a_version_1_report_still_renders(tmp_path):
     """Before sparse backends were recorded: no kind on a backend, no sparse_cases."""
     rep = _report()
     rep["format_version"] = 1
-    del rep["sparse_cases"]
     for b in rep["backends"]:
         del b["kind"]
+    for c in rep["cases"]:
+        del c["kind"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(rep))
     render(load_report(path), path)

@@ -6,10 +6,11 @@ from typing import Any
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 from mla_verify.draw.strategies import Case
+from mla_verify.kinds.dense import FEATURES
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.run.engine import verify
-from mla_verify.run.simplify import FEATURES, MAX_ATTEMPTS, simplify
+from mla_verify.run.simplify import MAX_ATTEMPTS, simplify
 
 WRAP_AT = 4_000  # the kernels below go wrong only on sequences longer than this
 LONGEST = 16_384  # the end-to-end run's envelope: its longest corner case is 4x WRAP_AT (cheap on 2 cores)

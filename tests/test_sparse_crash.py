@@ -16,9 +16,9 @@ import pytest
 from crashing_sparse_kernels import CRASH_SLOT
 from test_crash import PYTHONPATH, check, replay, reproducer
 
-from mla_verify.backends import named_sparse_backend
-from mla_verify.problems.sparse import SparseSpec
-from mla_verify.run.sparse_check import verify_sparse
+from mla_verify.backends import named_backend
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseSpec
+from mla_verify.run.engine import verify
 
 KERNELS = "crashing_sparse_kernels"
 
@@ -68,8 +68,8 @@ def test_a_cuda_error_in_process_is_a_crash_of_the_running_sparse_case(capsys, t
 @pytest.mark.parametrize("kernel, verdict", [("correct_sparse_kernel", "pass"), ("tile_scale_shifted", "fail")])
 def test_isolation_gives_the_same_sparse_cases_and_verdicts(kernel, verdict):
     target = f"mla_verify.kernels.sparse_mutants:{kernel}"
-    runs = [verify_sparse(named_sparse_backend(target), "cpu", "premerge", max_examples=5, isolate=isolate,
-                          target=target) for isolate in (True, False)]
+    runs = [verify(named_backend(target), "cpu", "premerge", max_examples=5, isolate=isolate)
+            for isolate in (True, False)]
     seen = [[(c.spec.case_id(), c.verdict, c.failures, c.diagnosis) for c in r.cases] for r in runs]
     assert seen[0] == seen[1]  # the same cases, verdicts, errors (the same bits) and diagnoses
     assert [r.verdict for r in runs] == [verdict, verdict]
@@ -81,11 +81,10 @@ def test_out_of_memory_skips_the_sparse_case_as_the_dense_harness_does():
     """On a shared GPU an allocation can fail for reasons outside the kernel: a skip, not a FAIL."""
     from crashing_sparse_kernels import out_of_memory_on_large_index
 
-    from mla_verify.run.harness import OUT_OF_MEMORY
-    from mla_verify.run.sparse_case import run_sparse_case
+    from mla_verify.run.harness import OUT_OF_MEMORY, run_case
 
     spec = SparseSpec(batch=1, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.0)
-    result = run_sparse_case(out_of_memory_on_large_index, spec, "cpu")
+    result = run_case(out_of_memory_on_large_index, spec, SPARSE_LAYOUT, "cpu")
     assert (result.verdict, result.reason, result.failures) == ("skip", OUT_OF_MEMORY, [])
 
 
@@ -93,5 +92,5 @@ def test_a_flaky_sparse_kernel_is_reported_not_an_internal_error():
     """Hypothesis raises Flaky when the minimal case passes on its replay: the failure seen is the report."""
     from crashing_sparse_kernels import every_third_call_wrong
 
-    run = verify_sparse(every_third_call_wrong, "cpu", "dev")
+    run = verify(every_third_call_wrong, "cpu", "dev")
     assert run.verdict == "fail" and run.failure is not None and run.failure.failures

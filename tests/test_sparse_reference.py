@@ -117,12 +117,16 @@ def test_out_of_pool_index_is_a_problem_error():
         dataclasses.replace(p, indices=bad).validate()
 
 
-def test_a_non_finite_lse_is_named_as_such_not_as_an_infinite_ratio():
-    from mla_verify.judge.sparse_judge import judge_sparse
+def test_the_lse_of_a_row_with_no_key_must_be_inf_and_a_nan_one_is_off():
+    from mla_verify.kinds.sparse import SPARSE_KIND
 
-    problem = build_sparse_problem(SparseSpec(batch=1, num_heads=4, fmt="bf16", invalid=0.0), "cpu")
+    problem = build_sparse_problem(SparseSpec(batch=2, num_heads=4, fmt="bf16", invalid=0.0, topk_lengths=(0, 64)),
+                                   "cpu")
     ref = sparse_reference(problem)
+    assert SPARSE_KIND.judge_output(problem, ref.out.bfloat16(), ref.lse, math.e)[1] == []
     lse = ref.lse.clone()
-    lse[0, 0, 2] = float("nan")
-    assert judge_sparse(problem, ref.out, lse, ref) == [
-        "lse: 1 row NaN or -inf where the reference is finite (first at [b, token, head] = [0, 0, 2])"]
+    lse[1, 0, 2] = float("nan")
+    lse[0, 0, 1] = 0.0  # the row of request 0 has no key: its LSE must be +inf
+    failures = SPARSE_KIND.judge_output(problem, ref.out.bfloat16(), lse, math.e)[1]
+    assert failures[0] == "LSE is not +inf at 1 of the 4 rows with no valid key", failures
+    assert failures[1].startswith("LSE (base e) off at batch 1, token 0, head 2: kernel nan"), failures

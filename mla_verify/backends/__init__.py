@@ -17,34 +17,26 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from ..core.errors import UsageError, did_you_mean
-from .base import Backend, Envelope, PreparedCall, SparseBackend
+from .base import Backend, Envelope, PreparedCall
 
 ENTRY_POINT_GROUP = "mla_verify.backends"
 
-__all__ = ["Backend", "Envelope", "PreparedCall", "SparseBackend", "ENTRY_POINT_GROUP", "builtin_backends",
-           "all_backends", "get_backend", "named_backend", "named_sparse_backend", "requested_backends",
-           "sparse_backends", "split_sparse"]
+__all__ = ["Backend", "Envelope", "PreparedCall", "ENTRY_POINT_GROUP", "builtin_backends", "all_backends",
+           "get_backend", "named_backend", "requested_backends"]
 
 
 def builtin_backends() -> list[Backend]:
+    """Dense decode backends first, then the sparse (top-k) ones: each judged on its envelope's kind."""
     from .cpu_peer import cpu_peer_backend
+    from .fa3_sparse import fa3_sparse_backend
     from .flashinfer_swa import swa_backend
-    from .flashinfer_trtllm import trtllm_backends
+    from .flashinfer_trtllm import flashinfer_sparse_backends, trtllm_backends
     from .flashinfer_wrapper import wrapper_backends
     from .flashmla import flashmla_backends
-
-    return [*trtllm_backends(), *wrapper_backends(), swa_backend(), *flashmla_backends(),
-            cpu_peer_backend()]
-
-
-def sparse_backends() -> dict[str, SparseBackend]:
-    """The built-in sparse (top-k) decode backends by name: a registry of their own, as they judge another kind
-    of problem (problems/sparse.py); their names differ from every dense backend's."""
-    from .fa3_sparse import fa3_sparse_backend
-    from .flashinfer_trtllm import flashinfer_sparse_backends
     from .flashmla_sparse import flashmla_sparse_backend
 
-    return {b.name: b for b in (flashmla_sparse_backend(), fa3_sparse_backend(), *flashinfer_sparse_backends())}
+    return [*trtllm_backends(), *wrapper_backends(), swa_backend(), *flashmla_backends(),
+            cpu_peer_backend(), flashmla_sparse_backend(), fa3_sparse_backend(), *flashinfer_sparse_backends()]
 
 
 def _plugin_backends() -> list[Backend]:
@@ -74,34 +66,18 @@ def all_backends() -> dict[str, Backend]:
 
 def get_backend(name: str) -> Backend:
     registry = all_backends()
-    if name in sparse_backends():
-        raise UsageError(f"'{name}' is a sparse (top-k) backend; it runs sparse cases, not this dense one "
-                         f"(dense backends: {', '.join(registry)})")
     if name not in registry:
-        known = [*registry, *sparse_backends()]
-        raise UsageError(f"unknown backend '{name}'{did_you_mean(name, known)}; known: {', '.join(known)}")
+        raise UsageError(f"unknown backend '{name}'{did_you_mean(name, registry)}; known: {', '.join(registry)}")
     return registry[name]
 
 
 def named_backend(name: str, source: object = None) -> Backend:
-    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` callable (``MODULE:ATTR``),
-    loaded first from ``source``, where it was loaded from (Backend.source)."""
+    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` (``MODULE:ATTR``, with the
+    calling convention it was run with: ``kernel_convention``), loaded first from ``source``, where it was loaded
+    from (Backend.source)."""
     from .user_kernel import load_kernel
 
     return load_kernel(name, recorded=source) if ":" in name else get_backend(name)
-
-
-def named_sparse_backend(target: str, source: object = None) -> SparseBackend:
-    """A sparse backend by its registered name, or a ``MODULE:ATTR`` naming a ``SparseBackend`` instance (loaded
-    first from ``source``, as ``named_backend``)."""
-    from .user_kernel import sparse_kernel
-
-    registry = sparse_backends()
-    backend = sparse_kernel(target, recorded=source) if ":" in target else registry.get(target)
-    if backend is None:
-        raise UsageError(f"{target} is not a sparse backend (known: {', '.join(registry)}, or MODULE:ATTR naming "
-                         "a SparseBackend)")
-    return backend
 
 
 def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None) -> list[Backend]:
@@ -111,24 +87,3 @@ def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | Non
     if kernels:
         return [load_kernel(k) for k in kernels]
     return [get_backend(n) for n in dict.fromkeys(names)] if names else list(all_backends().values())
-
-
-def split_sparse(kernels: list[str] | None, names: list[str] | None
-                 ) -> tuple[list[tuple[SparseBackend, str | None]], list[str] | None, list[str] | None]:
-    """(the sparse backends asked for, each with its --kernel target or None; the other --kernel targets; the
-    other --backend names). With neither flag given, every built-in sparse backend."""
-    from .user_kernel import sparse_kernel
-
-    registry = sparse_backends()
-    if not kernels and not names:
-        return [(b, None) for b in registry.values()], kernels, names
-    sparse: list[tuple[SparseBackend, str | None]] = []
-    dense_kernels = []
-    for target in kernels or []:
-        if (backend := sparse_kernel(target)) is not None:
-            sparse.append((backend, target))
-        else:
-            dense_kernels.append(target)
-    dense_names = [n for n in names or [] if n not in registry]
-    sparse += [(registry[n], None) for n in dict.fromkeys(names or []) if n in registry]
-    return sparse, dense_kernels or None, dense_names or None

@@ -3,6 +3,11 @@
 Backends know nothing about Hypothesis. The harness asks ``why_not`` before touching a kernel, then
 ``prepare`` builds the exact arguments (so every input can be snapshotted and ``out`` poisoned), then the
 harness calls ``PreparedCall.invoke`` and maps the result to canonical form with ``to_canonical``.
+
+A backend judges one kind of problem, the one its envelope bounds (``kind``: an ``Envelope`` bounds dense
+decode problems, a ``SparseEnvelope`` sparse top-k ones): its ``prepare`` takes that kind's problem
+(problems/problem.py's ``DecodeProblem``, problems/sparse.py's ``SparseDecodeProblem``) and the layout of the
+call, and everything else -- registry, harness, search, isolation, reports -- is the same for every kind.
 """
 from __future__ import annotations
 
@@ -14,13 +19,11 @@ from typing import Any
 import torch
 
 from ..problems.envelope import ENVELOPE_PREFIX, LSE_BASE_2, Envelope, SparseEnvelope
-from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec
-from ..problems.problem import DecodeProblem
-from ..problems.sparse import SparseDecodeProblem, SparseSpec
 
-__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "INVARIANT_BITS", "INVARIANT_WITHIN_TOLERANCE", "Backend", "Envelope",
-           "PreparedCall", "SparseBackend", "SparseEnvelope", "WarmupModule", "device_reason"]
+__all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "INVARIANT_BITS", "INVARIANT_WITHIN_TOLERANCE", "AnyEnvelope", "Backend",
+           "Envelope", "PreparedCall", "SparseEnvelope", "WarmupModule", "device_reason"]
+AnyEnvelope = Envelope | SparseEnvelope
 
 # What a backend claims when its batch is reordered (Backend.batch_invariance): the very same bits, or only
 # the same values within the tolerance model (a kernel whose split-KV schedule depends on the whole batch)
@@ -72,19 +75,27 @@ class WarmupModule:
 
 class Backend(ABC):
     name: str
-    envelope: Envelope
+    envelope: AnyEnvelope  # an Envelope (dense decode) or a SparseEnvelope (sparse top-k decode): ``kind`` says which
     description: str = ""
     # a user kernel's file ("file") and the folder its module is imported from ("sys_path"): reproducers
     # record it, so that replay finds the kernel from any directory (user_kernel.load_kernel)
     source: dict[str, str] | None = None
     # the batch-order metamorphic check judges by this claim (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE)
     batch_invariance: str = INVARIANT_BITS
+    # sparse: formats whose packed bytes the kernel never sees: ``prepare`` widens such a problem's cache to bf16
+    # rows (outside the call), so the kernel's traffic is the bf16 problem's (the bench times those as bf16 only)
+    widened_formats: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """The kind of problem this backend is judged on (problems/envelope.py's DENSE or SPARSE)."""
+        return self.envelope.kind
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` at all (library, architecture), or None."""
         return device_reason(self.envelope, device)
 
-    def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
+    def why_not(self, spec: Any, layout: LayoutSpec, device: torch.device) -> str | None:
         """Checked before any kernel is touched: None when this backend can run (spec, layout) on device."""
         return self.unavailable_reason(device) or self.envelope.why_not(spec, layout)
 
@@ -94,35 +105,11 @@ class Backend(ABC):
         return []
 
     @abstractmethod
-    def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
-        """Lay out ``problem`` for this kernel and return the call (not yet run)."""
+    def prepare(self, problem: Any, layout: LayoutSpec) -> PreparedCall:
+        """Lay out ``problem`` (of this backend's kind) for this kernel and return the call (not yet run)."""
 
 
-class SparseBackend(ABC):
-    """A sparse (top-k) decode kernel: the same roles as ``Backend``, over ``SparseSpec`` problems (no layout
-    variants: the packed format is part of the problem). Kept apart from ``Backend`` so the dense path --
-    registry, engine, CLI -- never meets a problem kind it does not know."""
-
-    name: str
-    envelope: SparseEnvelope
-    description: str = ""
-    # formats whose packed bytes the kernel never sees: ``prepare`` widens such a problem's cache to bf16 rows
-    # (outside the call), so the kernel's traffic is the bf16 problem's (the bench times those as bf16 only)
-    widened_formats: tuple[str, ...] = ()
-    source: dict[str, str] | None = None  # a --kernel one's: where it was loaded from (Backend.source)
-
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        return device_reason(self.envelope, device)
-
-    def why_not(self, spec: SparseSpec, device: torch.device) -> str | None:
-        return self.unavailable_reason(device) or self.envelope.why_not(spec)
-
-    @abstractmethod
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
-        """The call on ``problem``; ``to_canonical`` gives (out [B, q_len, H, 512], lse [B, q_len, H] or None)."""
-
-
-def device_reason(env: Envelope | SparseEnvelope, device: torch.device) -> str | None:
+def device_reason(env: AnyEnvelope, device: torch.device) -> str | None:
     """Checks device type and CUDA architecture against an envelope; None if it fits."""
     if device.type not in env.devices:
         return f"runs on {'/'.join(env.devices)} devices, not {device.type}"

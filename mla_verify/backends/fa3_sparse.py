@@ -18,8 +18,9 @@ import torch
 
 from ..core.platform import flashinfer_unavailable
 from ..problems.envelope import SparseEnvelope
-from ..problems.sparse import UNPACKED, SparseDecodeProblem
-from .base import PreparedCall, SparseBackend
+from ..problems.layouts import LayoutSpec
+from ..problems.sparse import SPARSE_LAYOUT, UNPACKED, SparseDecodeProblem
+from .base import Backend, PreparedCall
 from .flashinfer_wrapper import FA_HOPPER, WORKSPACE_BYTES
 
 FA3_SPARSE_ENVELOPE = SparseEnvelope(
@@ -43,7 +44,7 @@ def token_lists(problem: SparseDecodeProblem) -> tuple[torch.Tensor, torch.Tenso
     return rows, indptr, slots.to(torch.int32)
 
 
-class Fa3SparseBackend(SparseBackend):
+class Fa3SparseBackend(Backend):
     def __init__(self, name: str = "fa3-sparse", envelope: SparseEnvelope = FA3_SPARSE_ENVELOPE,
                  fi_backend: str = "fa3"):
         self.name, self.envelope, self.fi_backend = name, envelope, fi_backend
@@ -54,7 +55,7 @@ class Fa3SparseBackend(SparseBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return super().unavailable_reason(device) or flashinfer_unavailable()
 
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+    def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
         p = problem.validate()

@@ -16,9 +16,10 @@ import torch
 
 from ..core.platform import flashinfer_unavailable
 from ..problems.envelope import SparseEnvelope
+from ..problems.layouts import LayoutSpec
 from ..problems.packed import FORMATS, unpack
-from ..problems.sparse import UNPACKED, SparseDecodeProblem
-from .base import PreparedCall, SparseBackend
+from ..problems.sparse import SPARSE_LAYOUT, UNPACKED, SparseDecodeProblem
+from .base import Backend, PreparedCall
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend, make_workspace, split_lse
 
 BLACKWELL_DC = ((10, 0), (10, 3), (10, 7))  # SM100 / SM103 / SM107: the archs trtllm-gen's FmhaRunner accepts
@@ -117,7 +118,7 @@ def scale_format(problem: SparseDecodeProblem) -> str:
     return "pow2_fp32" if pow2 and fmt.rope else "arbitrary_fp32"
 
 
-class FlashInferSparseBackend(SparseBackend):
+class FlashInferSparseBackend(Backend):
     """FlashInfer's sparse MLA decode: ``trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=topk,
     backend=fi_backend)`` -- ``"trtllm-gen"`` over a dense bf16 cache, or ``"sparse"`` (SM120/121) over the
     packed one; LSE asked for in base 2."""
@@ -131,7 +132,7 @@ class FlashInferSparseBackend(SparseBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return super().unavailable_reason(device) or flashinfer_unavailable()
 
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+    def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         p = problem.validate()
         B, Q, H, D = p.query.shape
         device = p.query.device

@@ -135,6 +135,7 @@ class FlashInferWrapperBackend(Backend):
         sm90 = torch.cuda.get_device_capability(device) in FA_HOPPER
         kernels = AUTO_FA_CANDIDATES if self.path.resolves else (self.path.fi_backend,)
         env = self.envelope
+        assert isinstance(env, Envelope)  # a dense backend's
         return [fa_module(k, DTYPES[dtype], rank, rope) for k in kernels if k in ("fa2", "fa3")
                 if k == "fa2" or sm90 for dtype in env.dtypes if dtype != "fp8" or sm90  # fp8 cache: SM90 only
                 for rank, rope in env.dims_for(dtype)]

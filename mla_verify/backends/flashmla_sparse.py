@@ -26,9 +26,10 @@ from typing import Any
 import torch
 
 from ..problems.envelope import SparseEnvelope
+from ..problems.layouts import LayoutSpec
 from ..problems.packed import FORMATS, kernel_view
-from ..problems.sparse import SparseDecodeProblem
-from .base import PreparedCall, SparseBackend
+from ..problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem
+from .base import Backend, PreparedCall
 from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api, needs_wheel
 
 FLASHMLA_HEADS = (64, 128)  # the SM90 sparse kernel is instantiated for these h_q only
@@ -51,7 +52,7 @@ def padded_heads(h: int) -> int:
     return next(n for n in FLASHMLA_HEADS if n >= h)
 
 
-class FlashMLASparseBackend(SparseBackend):
+class FlashMLASparseBackend(Backend):
     """FlashMLA's sparse decode through ``api`` (the installed ``flash_mla`` when None)."""
 
     def __init__(self, name: str = "flashmla-sparse", api: FlashMLAApi | None = None,
@@ -62,7 +63,7 @@ class FlashMLASparseBackend(SparseBackend):
     def unavailable_reason(self, device: torch.device) -> str | None:
         return flashmla_unavailable(self.api, self.envelope, device) or needs_wheel(self.api, "sparse decode on SM90")
 
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+    def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         p = problem.validate()
         if p.packed is None:
             raise ValueError("FlashMLA's sparse decode reads a packed FP8 cache; this problem has none")

@@ -10,6 +10,7 @@ UsageError (exit 2), never a silent fallback to the default envelope. See docs/b
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -25,7 +26,7 @@ from ..core.errors import UsageError, did_you_mean
 from ..core.tracebacks import exception_line
 from ..problems.generate import DTYPES
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
-from .base import Envelope, SparseBackend
+from .base import Backend, Envelope
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
 ENVELOPE_ATTR = "mla_verify_envelope"
@@ -98,8 +99,9 @@ def envelope_from_overrides(overrides: Any, base: Envelope = TRTLLM_ENVELOPE, ow
     return base.narrowed(**{k: _tupled(v) for k, v in overrides.items()})
 
 
-def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> TrtllmStyleBackend:
-    """``"pkg.mod:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> a backend calling that callable.
+def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> Backend:
+    """``"pkg.mod:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> a backend calling that callable,
+    or the ``Backend`` instance it names (a copy, named ``target``).
 
     A module is found as ``python -m`` finds it: the current directory first, then sys.path. A file is run as
     a module of its own, its directory first on sys.path (as ``python path/to/file.py`` has it), so it can
@@ -107,20 +109,14 @@ def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> Tr
     module's recorded folder first on sys.path, so a replay finds the kernel from any directory. Every error
     is a one-line UsageError naming ``flag``.
     """
-    module, _, fn = resolve_kernel(target, flag, recorded)
-    backend = kernel_backend(fn, target)
+    module, _, obj = resolve_kernel(target, flag, recorded)
+    if isinstance(obj, Backend):  # named as the run names it, so that a worker or a replay loads it by that name
+        backend = copy.copy(obj)
+        backend.name = target
+    else:
+        backend = kernel_backend(obj, target)
     backend.source = _source_of(target.rpartition(":")[0], module)
     return backend
-
-
-def sparse_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> SparseBackend | None:
-    """The ``SparseBackend`` instance ``target`` (MODULE:ATTR, as ``load_kernel`` reads it) names, with where it
-    was loaded from (``source``); None when it names something else."""
-    module, _, obj = resolve_kernel(target, flag, recorded)
-    if not isinstance(obj, SparseBackend):
-        return None
-    obj.source = _source_of(target.rpartition(":")[0], module)
-    return obj
 
 
 def resolve_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> tuple[ModuleType, str, Any]:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from ..backends import Backend, SparseBackend, requested_backends, split_sparse
+from ..backends import Backend, requested_backends
 from ..backends.base import PreparedCall
 from ..core.cli_args import (
     OneLineParser,
@@ -43,11 +43,12 @@ from ..core.cli_args import (
     run_command,
 )
 from ..core.errors import MLAVerifyError, UsageError
+from ..kinds import KINDS
+from ..problems.envelope import DENSE, SPARSE
 from ..problems.generate import DTYPES, ProblemSpec, build_problem
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 from ..records.fixtures import check_writable_dir, library_versions
-from ..run.harness import judge_reference
 from .sparse import (
     SPARSE_AXES,
     SPARSE_FORMULAS,
@@ -259,16 +260,8 @@ def _pct(x: float | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- run
-AnyBackend = Backend | SparseBackend
-Resolver = Callable[[list[str] | None, list[str] | None], list[AnyBackend]]  # (--backend names, --kernel targets)
-
-
-def requested(names: list[str] | None, kernels: list[str] | None) -> list[AnyBackend]:
-    """The backends ``--backend``/``--kernel`` name, dense and sparse; with neither, every registered one."""
-    sparse, dense_kernels, dense_names = split_sparse(kernels, names)
-    named = bool(names or kernels)
-    dense = requested_backends(dense_names, dense_kernels) if dense_names or dense_kernels or not named else []
-    return [*dense, *(b for b, _ in sparse)]
+Resolver = Callable[[list[str] | None, list[str] | None], list[Backend]]  # (--backend names, --kernel targets)
+requested: Resolver = requested_backends  # the backends ``--backend``/``--kernel`` name, every kind
 
 
 def pick_layout(backend: Backend, spec: ProblemSpec, device: torch.device) -> tuple[LayoutSpec | None, str]:
@@ -288,7 +281,7 @@ def default_timer(device: torch.device, samples: int | None = None) -> Timer:
     return WallClockTimer(samples=samples) if samples else WallClockTimer()
 
 
-def run_bench(backends: Sequence[AnyBackend], grid: Sequence[Case], device: torch.device | str, *,
+def run_bench(backends: Sequence[Backend], grid: Sequence[Case], device: torch.device | str, *,
               timer: Timer | None = None, seed: int = 0, reference: bool = True, use_graphs: bool = True,
               log: Callable[[str], None] = lambda s: None,
               checkpoint: Callable[[BenchResult], object] | None = None) -> BenchResult:
@@ -305,8 +298,8 @@ def run_bench(backends: Sequence[AnyBackend], grid: Sequence[Case], device: torc
     log(f"device copy bandwidth: {_num(copy_bps and copy_bps / 1e9, '.0f')} GB/s; L2 {l2 / 2**20:.0f} MiB")
     result = BenchResult(_meta(device, grid, [b.name for b in backends], timer, seed, l2, copy_bps, reference), [])
     result.meta["complete"] = False
-    dense = [b for b in backends if isinstance(b, Backend)]
-    sparse = [b for b in backends if isinstance(b, SparseBackend)]
+    dense = [b for b in backends if b.kind == DENSE]
+    sparse = [b for b in backends if b.kind == SPARSE]
     for case in grid:
         work = sparse_workload(case, sparse, device, seed) if isinstance(case, SparseBenchCase) \
             else dense_workload(case, dense, device, seed)
@@ -335,7 +328,7 @@ def _build_dense(case: BenchCase, seed: int, device: torch.device, input_set: in
 
 
 def _dense_reference_out(problem: DecodeProblem) -> torch.Tensor:
-    return judge_reference(problem).out
+    return KINDS[DENSE].reference(problem).out
 
 
 def _prepare_dense(backend: Backend, layout: LayoutSpec, problem: DecodeProblem) -> PreparedCall:
@@ -481,7 +474,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backend to time, dense or sparse (repeatable); default: every backend that can run "
                              "here")
     parser.add_argument("--kernel", action="append", dest="kernels", metavar="MODULE:ATTR",
-                        help="time a Contract-1 callable, or a SparseBackend instance, instead (repeatable)")
+                        help="time a kernel callable, or a Backend instance, instead (repeatable)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (CPU backends, wall clock)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="default",
                         help="preset grids, dense and sparse (default: %(default)s)")
@@ -546,7 +539,7 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
     if unknown:
         raise UsageError(f"--dtype: unknown {unknown} (known: {', '.join(DTYPES)})")
     check_sparse_axes(sparse_axes)
-    backends: list[AnyBackend] = []
+    backends: list[Backend] = []
     named = bool(ns.backends or ns.kernels)
     for b in resolve(ns.backends, ns.kernels):
         reason = b.unavailable_reason(device)
@@ -559,7 +552,7 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
     if not backends:
         raise UsageError(f"no backend can run on {device}")
     grid = make_grid(axes) if any(isinstance(b, Backend) for b in backends) else []
-    if any(isinstance(b, SparseBackend) for b in backends):
+    if any(b.kind == SPARSE for b in backends):
         grid += make_grid(sparse_axes, SparseBenchCase)
     result = run_bench(backends, grid, device, timer=timer or default_timer(device, ns.samples),
                        seed=ns.seed, reference=not ns.no_reference, use_graphs=not ns.no_graphs,

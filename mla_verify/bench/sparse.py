@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..backends.base import SparseBackend
+from ..backends.base import Backend
 from ..core.errors import UsageError
 from ..problems.packed import FORMATS
-from ..problems.sparse import D_V, SPARSE_FORMATS, SparseDecodeProblem, SparseSpec, build_sparse_problem
+from ..problems.sparse import D_V, SPARSE_FORMATS, SPARSE_LAYOUT, SparseDecodeProblem, SparseSpec, build_sparse_problem
 from ..problems.sparse_reference import sparse_reference
 from .workload import GridCase, Workload
 
@@ -98,18 +98,18 @@ def sparse_reference_out(problem: SparseDecodeProblem) -> torch.Tensor:
     return sparse_reference(problem, torch.float64 if problem.query.device.type == "cpu" else torch.float32).out
 
 
-def sparse_workload(case: SparseBenchCase, backends: Sequence[SparseBackend], device: torch.device,
+def sparse_workload(case: SparseBenchCase, backends: Sequence[Backend], device: torch.device,
                     seed: int) -> Workload:
     spec0 = case.spec(seed)
     work = Workload("sparse", case.key, asdict(case), spec0.case_id(), sparse_case_bytes(spec0),
                     sparse_case_flops(spec0), functools.partial(_build, case, seed, device), sparse_reference_out)
     for b in backends:
-        reason = b.why_not(spec0, device)
+        reason = b.why_not(spec0, SPARSE_LAYOUT, device)
         if reason is None and case.fmt in b.widened_formats:
             reason = (f"reads {case.fmt} only as bf16 rows its prepare widens it to (outside the call): its "
                       "traffic is the bf16 case's")
         if reason is None:
-            work.runnable.append((b.name, b.prepare))
+            work.runnable.append((b.name, functools.partial(b.prepare, layout=SPARSE_LAYOUT)))
         else:
             work.skipped.append((b.name, reason))
     return work

@@ -49,11 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Verify kernels. Exit 0: all passed; 1: a discrepancy; 2: bad usage.")
     which = check.add_mutually_exclusive_group()
     which.add_argument("--kernel", action="append", metavar="MODULE:ATTR",
-                       help="a trtllm-style callable (or a SparseBackend instance) to verify, MODULE:ATTR or "
+                       help="a kernel callable (or a Backend instance) to verify, MODULE:ATTR or "
                             "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
-                       help="a registered backend to verify (repeatable; list-backends names them, the sparse "
-                            "(top-k) ones in a section of their own)")
+                       help="a registered backend to verify, dense or sparse (repeatable; list-backends names them)")
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
@@ -146,7 +145,6 @@ def cpu_run_settings(threads: int = 1) -> None:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from ..backends import split_sparse
     from ..draw.hypothesis_db import resolve_database
     from ..draw.profiles import get_profile
     from ..judge.selfcheck import reference_selfcheck
@@ -166,7 +164,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.engine import verify
     from ..run.progress import Progress
     from ..run.warmup import warm_up
-    from .sparse import check_sparse, require_runnable
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -180,11 +177,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
               "earlier runs found); the fuzz profile uses it", file=sys.stderr)
     check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
-    sparse, kernels, names = split_sparse(ns.kernel, ns.backend)
-    named = bool(ns.kernel or ns.backend)
-    backends = _select_backends(kernels, names, device) if kernels or names or not named else []
-    if named:
-        require_runnable(sparse, device)
+    backends = _select_backends(ns.kernel, ns.backend, device)
     isolate = device.type == "cuda" if ns.isolate is None else ns.isolate
     in_flight = in_flight_path(ns.fixtures_dir)
 
@@ -226,10 +219,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
         results.append(result)
         if result.interrupted:
             print(f"interrupted: the report holds the cases judged until then; "
-                  f"{len(backends) - len(results) + len(sparse)} backend(s) not run", flush=True)
+                  f"{len(backends) - len(results)} backend(s) not run", flush=True)
             break
 
-    # the dense failures are saved and printed before the sparse phase: a Ctrl-C there must not lose them
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
     for r in results:
@@ -242,9 +234,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
         if r.failure is not None:
             print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
     interrupted = any(r.interrupted for r in results)
-    sparse_runs, sparse_fixtures = ([], {}) if interrupted else check_sparse(
-        sparse, device, profile, ns.seed, ns.max_examples, ns.minutes, ns.fixtures_dir, isolate, ns.case_timeout)
-    interrupted = interrupted or any(r.interrupted for r in sparse_runs)
     if report_path is not None:
         run = {"command": ns.command_line,
                "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
@@ -252,12 +241,10 @@ def cmd_check(ns: argparse.Namespace) -> int:
                "interrupted": interrupted,
                **warmup.run_fields(),
                "throughput": {r.backend: stage_times.breakdown(r) for r in results if r.unavailable is None}}
-        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe(),
-                              sparse=sparse_runs, sparse_fixtures=sparse_fixtures)
+        report = build_report(run, results, fixtures, platform=_platform_line(), selfcheck=selfcheck.describe())
         print(f"report: {', '.join(str(p) for p in write_report(report_path, report))}")
-    failed = not selfcheck.ok or any(r.failure is not None for r in results) or \
-        any(r.failure is not None for r in sparse_runs)
-    ran = sum(r.unavailable is None for r in results) + sum(r.unavailable is None for r in sparse_runs)
+    failed = not selfcheck.ok or any(r.failure is not None for r in results)
+    ran = sum(r.unavailable is None for r in results)
     if not ran and not failed:
         print("no backend could run here: only the reference self-check ran")
     if interrupted:
@@ -275,11 +262,13 @@ def _print_warmup(title: str, warmup: Any) -> None:
 
 def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None) -> int | None:
     """How many cases a bounded profile runs at most (corner cases and drawn ones); None for fuzzing."""
-    from ..draw.strategies import budget_for, corner_cases
+    from ..draw.strategies import budget_for
+    from ..kinds import kind_named
 
     if profile.minutes is not None:
         return None
-    corners = len(corner_cases(backend.envelope, budget_for(device))) if profile.corner_cases else 0
+    corners = len(kind_named(backend.kind).corner_cases(backend.envelope, budget_for(device))) \
+        if profile.corner_cases else 0
     return corners + (max_examples or profile.max_examples)
 
 
@@ -326,12 +315,8 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..records.fixtures import load_fixture
     from ..run import watchdog
     from ..run.isolate import InProcess, Isolated
-    from .sparse import replay_sparse, sparse_fixture
 
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not when the kernel hangs
-    if (sparse := sparse_fixture(ns.fixture)) is not None:
-        failed = replay_sparse(sparse, ns.fixture, ns.backend, ns.kernel, ns.device, ns.isolate, ns.case_timeout)
-        return EXIT_DISCREPANCY if failed else EXIT_OK
     fx = load_fixture(ns.fixture)
     if fx.spec is None:
         raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")
@@ -346,6 +331,9 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
     device = ns.device or _replay_device(fx.meta.get("source_device"))
+    if backend.kind != fx.kind.name:
+        raise UsageError(f"{backend.name} judges {backend.kind} decode problems; {fx.json_path} is a "
+                         f"{fx.kind.name} one")
     reason = backend.why_not(fx.spec, fx.layout, device)
     if reason is not None:
         raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
@@ -355,7 +343,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         # thread count CPU sums round differently
         cpu_run_settings(fx.meta.get("torch_threads", 1))
     print(f"  case: {fx.spec.describe()}")
-    print(f"  layout: {fx.layout.describe()}")
+    print(f"  layout: {fx.kind.describe_layout(fx.layout)}")
     transform = fx.meta.get("metamorphic", "none")
     # isolated, the worker rebuilds the problem from the spec; a stored problem runs here
     isolate = fx.problem is None if ns.isolate is None else ns.isolate
@@ -469,11 +457,13 @@ def cmd_list_backends(ns: argparse.Namespace) -> int:
 
 
 def _print_backend_table(devices: list[torch.device], with_envelope: bool) -> None:
-    from ..backends import all_backends, sparse_backends
+    from ..backends import all_backends
+    from ..problems.envelope import DENSE, SPARSE
 
+    every = all_backends()
     groups: list[tuple[str, dict[str, Any], Callable[[Any], str]]] = [
-        ("backends", all_backends(), envelope_summary),
-        ("sparse (top-k) backends", sparse_backends(), sparse_envelope_summary)]
+        ("backends", {n: b for n, b in every.items() if b.kind == DENSE}, envelope_summary),
+        ("sparse (top-k) backends", {n: b for n, b in every.items() if b.kind == SPARSE}, sparse_envelope_summary)]
     width = max(len(n) for _, backends, _ in groups for n in backends)
     for device in devices:
         for title, backends, summary in groups:

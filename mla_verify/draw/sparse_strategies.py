@@ -1,10 +1,12 @@
-"""Hypothesis strategies over a sparse envelope, and the sparse corner cases premerge runs first.
+"""Hypothesis strategies over a sparse envelope, and the sparse corner cases premerge runs first: each a ``Case``
+(draw/strategies.py) of a sparse spec, the call's layout (out passed or not, as the envelope allows; the LSE
+always asked) and one of the sparse metamorphic relations (problems/sparse.py's SPARSE_TRANSFORMS).
 
 ``sparse_specs`` shrinks toward the plainest problem: the envelope's first format and scale convention, topk 64,
 one request of one query token and one head, 64-token pages, two used pages and no spare ones, no -1 entries
 (then few, then many, then all), no -1 front, no duplicates, no topk_length, no sink, the default softmax scale,
 normal values and seed 0 -- each field shrinks on its own toward that end, so a shrunk failure names the one
-feature it needs.
+feature it needs; ``sparse_cases`` adds the layout (toward the envelope's first) and the relation (toward none).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from ..problems.envelope import SparseEnvelope
-from ..problems.sparse import SparseSpec
+from ..problems.sparse import SPARSE_LAYOUT, SPARSE_TRANSFORMS, SparseSpec
+from .strategies import Case
 
 INVALID_SHARES = (0.0, 0.05, 0.5, 0.95, 1.0)
 PAGE_SIZES = (64, 1, 16, 61)  # 64 is what engines use; 1 (vLLM's fa3 path), 16 and an odd 61 move slot arithmetic
@@ -40,26 +43,37 @@ def sparse_specs(draw: st.DrawFn, env: SparseEnvelope, max_batch: int = 4, max_t
         seed=draw(st.integers(0, 2 ** 16)))
 
 
-def sparse_corner_cases(env: SparseEnvelope) -> list[SparseSpec]:
+@st.composite
+def sparse_cases(draw: st.DrawFn, env: SparseEnvelope) -> Case:
+    """A sparse spec, the call's layout and one metamorphic relation (shrinking toward none)."""
+    spec = draw(sparse_specs(env))
+    layout = replace(SPARSE_LAYOUT, pass_out=draw(st.sampled_from(env.pass_out)))
+    return Case(spec, layout, draw(st.sampled_from(("none", *SPARSE_TRANSFORMS))))
+
+
+def sparse_corner_cases(env: SparseEnvelope) -> list[Case]:
     """The envelope's extremes, one feature each: every format and scale convention; all entries -1; a -1 front
     (a fully masked leading chunk); duplicates; topk_length 0 and cutting valid entries; each kind of sink;
-    q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads."""
+    q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads -- and each metamorphic
+    relation once: the pool's pages moved (with spare pages), a row's order, its -1 entries moved."""
     base = SparseSpec(batch=2, num_heads=min(16, env.max_heads), topk=64, page_size=64,
                       used_pages=3, fmt=env.formats[0], scales=env.scales[0])
     pages = env.page_sizes or PAGE_SIZES
-    cases = [replace(base, fmt=f, scales=s) for f in env.formats for s in env.scales if f != "V4" or s == "pow2"]
+    cases = [(replace(base, fmt=f, scales=s), "none") for f in env.formats for s in env.scales
+             if f != "V4" or s == "pow2"]
     cases += [
-        replace(base, invalid=1.0, sink="finite"),
-        replace(base, invalid_front=True, topk=min(env.max_topk, 256), used_pages=8),
-        replace(base, duplicates=True, used_pages=1, page_size=pages[-1]),
-        replace(base, sink="mixed"),
-        replace(base, sink="+inf"),
-        replace(base, sink="-inf"),
-        replace(base, batch=4, q_len=env.q_len[1], page_size=pages[min(1, len(pages) - 1)], used_pages=8),
-        replace(base, batch=1, topk=min(env.max_topk, 2048), used_pages=40, invalid=0.5),
-        replace(base, values="extreme", softmax_scale=0.02),
-        replace(base, batch=1, num_heads=env.max_heads),
+        (replace(base, invalid=1.0, sink="finite"), "none"),
+        (replace(base, invalid_front=True, topk=min(env.max_topk, 256), used_pages=8), "minus1_moved"),
+        (replace(base, duplicates=True, used_pages=1, page_size=pages[-1]), "topk_order"),
+        (replace(base, sink="mixed", extra_pages=2), "pages"),
+        (replace(base, sink="+inf"), "none"),
+        (replace(base, sink="-inf"), "none"),
+        (replace(base, batch=4, q_len=env.q_len[1], page_size=pages[min(1, len(pages) - 1)], used_pages=8), "none"),
+        (replace(base, batch=1, topk=min(env.max_topk, 2048), used_pages=40, invalid=0.5), "none"),
+        (replace(base, values="extreme", softmax_scale=0.02), "none"),
+        (replace(base, batch=1, num_heads=env.max_heads), "none"),
     ]
-    cases += [replace(base, fmt=f, topk=128, topk_lengths=(0, 69))
+    cases += [(replace(base, fmt=f, topk=128, topk_lengths=(0, 69)), "none")
               for f in env.topk_length_formats if f in env.formats]
-    return [c for c in cases if env.why_not(c) is None]
+    layout = replace(SPARSE_LAYOUT, pass_out=env.pass_out[-1])
+    return [Case(c, layout, relation) for c, relation in cases if env.why_not(c, layout) is None]

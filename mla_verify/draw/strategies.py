@@ -69,7 +69,10 @@ BUDGETS = {
 
 @dataclass(frozen=True)
 class Case:
-    spec: ProblemSpec
+    """One case of any problem kind (mla_verify/kinds): its spec (a ProblemSpec, a SparseSpec), the call's
+    layout and the metamorphic relation checked ("none": none)."""
+
+    spec: Any
     layout: LayoutSpec
     transform: str = "none"
 

@@ -87,7 +87,9 @@ def baseline_result(problem: DecodeProblem, dtype: str) -> ReferenceResult:
 def lse_slack(baseline: ReferenceResult, ref: ReferenceResult, dtype: str) -> float:
     """FACTOR times the baseline's largest LSE error (natural log) over the judged rows: what the LSE bound adds
     to its fixed part, since a kernel that rounds q*scale to bf16 moves its LSE as much as the baseline does."""
-    diff = (baseline.lse.to(torch.float64) - ref.lse.to(torch.float64).to(baseline.lse.device)).abs()
+    want = ref.lse.to(torch.float64).to(baseline.lse.device)
+    # a row with no key (a sparse problem's) has LSE +inf in both: no error
+    diff = torch.where(torch.isposinf(want), 0.0, (baseline.lse.to(torch.float64) - want).abs())
     return FACTOR[dtype] * float(judged_rows(diff, ref).max()) if diff.numel() else 0.0
 
 
@@ -178,6 +180,12 @@ def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: Er
         return
     want = ref.lse.to(torch.float64).to(lse.device)
     got = judged_rows(lse.detach().to(torch.float64) * math.log(base), ref, want)  # to natural log
+    empty = torch.isposinf(want)  # rows with no key (a sparse problem's): the LSE must be +inf there, exactly
+    if bool(empty.any()):
+        if not torch.equal(torch.isposinf(got) & empty, empty):
+            failures.append(f"LSE is not +inf at {int((empty & ~torch.isposinf(got)).sum())} of the "
+                            f"{int(empty.sum())} rows with no valid key")
+        got, want = torch.where(empty, 0.0, got), torch.where(empty, 0.0, want)
     allowed = lse_allowed(want, slack)
     err = (got - want).abs()
     bad = ~(err <= allowed)  # NaN counts as bad

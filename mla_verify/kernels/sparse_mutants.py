@@ -5,7 +5,7 @@ the packed pool as ``[pages, page, 1, bytes]``, ``indices``, ``topk_length``, ``
 refuses what its sparse path refuses (h_q 64/128, topk a multiple of 64, no dynamic topk_length for V3.2, 528
 bytes without ``kv_format``), and computes in fp32 with the SM90 dequant (problems/packed.py) -- unless one field
 of ``SparseFaults`` says otherwise. ``SPARSE_MUTANTS`` are those faults, each with a small trigger problem and the
-diagnosis (judge/sparse_judge.py) expected to name it; ``stand_in_backend`` puts one behind the
+diagnosis (judge/sparse_catalog.py) expected to name it; ``stand_in_backend`` puts one behind the
 ``flashmla-sparse`` backend's own layout code.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ class SparseMutant:
     name: str
     description: str
     faults: SparseFaults
-    diagnosis: str  # the judge/sparse_judge.py misreading expected to name it
+    diagnosis: str  # the judge/sparse_catalog.py misreading expected to name it
     trigger: SparseSpec  # a small problem that shows the fault
 
 

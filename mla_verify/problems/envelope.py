@@ -1,16 +1,19 @@
 """What a kernel claims to handle: the envelope of problems a backend (or a user kernel) takes.
 
-A problem-side notion: the strategies draw inside it and the backends declare it, so it lives below both.
+A problem-side notion: the strategies draw inside it and the backends declare it, so it lives below both. An
+envelope's type names the kind of problem it bounds (``kind``: dense decode, or sparse top-k decode), and so the
+kind of problem a backend is judged on (mla_verify/kinds).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .generate import ProblemSpec
 from .layouts import LayoutSpec
 
 LSE_BASE_2 = 2.0
+DENSE, SPARSE = "dense", "sparse"  # the problem kinds (mla_verify/kinds), as envelopes and records name them
 ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sentence
 
 
@@ -18,6 +21,7 @@ ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sent
 class Envelope:
     """The problems a backend claims to handle. ``None`` in a field means "any"."""
 
+    kind: ClassVar[str] = DENSE
     devices: tuple[str, ...] = ("cuda",)  # device types: "cpu", "cuda"
     archs: tuple[tuple[int, int], ...] | None = None  # CUDA compute capabilities, e.g. ((10, 0), (10, 3))
     page_sizes: tuple[int, ...] | None = None
@@ -92,6 +96,7 @@ class Envelope:
 class SparseEnvelope:
     """The sparse (top-k) decode problems a backend claims to handle (problems/sparse.py). ``None``: any."""
 
+    kind: ClassVar[str] = SPARSE
     devices: tuple[str, ...] = ("cuda",)
     archs: tuple[tuple[int, int], ...] | None = None
     formats: tuple[str, ...] = ("V32",)  # SPARSE_FORMATS the backend reads
@@ -103,11 +108,13 @@ class SparseEnvelope:
     page_sizes: tuple[int, ...] | None = None
     topk_length_formats: tuple[str, ...] = ()  # the formats it takes a per-request topk_length with
     sinks: bool = True
+    pass_out: tuple[bool, ...] = (False,)  # whether the kernel is handed an ``out`` buffer (True), allocates (False)
     lse_base: float = 2.718281828459045
     notes: str = ""
 
-    def why_not(self, spec: Any) -> str | None:
-        """A sentence saying why the SparseSpec ``spec`` is outside this envelope, or None."""
+    def why_not(self, spec: Any, layout: LayoutSpec | None = None) -> str | None:
+        """A sentence saying why the SparseSpec ``spec`` (called as ``layout`` says) is outside this envelope, or
+        None."""
         checks = [
             (spec.fmt in self.formats, f"format {spec.fmt} (supported: {list(self.formats)})"),
             (spec.fmt == "bf16" or spec.scales in self.scales, f"{spec.scales} scales"),
@@ -118,6 +125,8 @@ class SparseEnvelope:
             (self.page_sizes is None or spec.page_size in self.page_sizes, f"page size {spec.page_size}"),
             (spec.topk_lengths is None or spec.fmt in self.topk_length_formats, f"topk_length with {spec.fmt}"),
             (self.sinks or spec.sink == "none", "attention sinks"),
+            (layout is None or layout.pass_out in self.pass_out, "out passed" if layout and layout.pass_out
+             else "out not passed"),
         ]
         bad = [what for ok, what in checks if not ok]
         return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None

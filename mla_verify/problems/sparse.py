@@ -7,6 +7,12 @@ row (latent then rope), V its first ``d_v`` = 512 dims; ``softmax_scale`` multip
 attention sink ``s_h`` scales head h's output by 1 / (1 + exp(s_h - lse)) and is not part of the LSE; a row
 with no valid entry gives out 0 and LSE +inf.
 
+The metamorphic relations of a sparse problem (``SPARSE_TRANSFORMS``, ``transform``) move what must not matter:
+the pool's pages (the indices renumbered with them: the same values, in the same order, so a deterministic kernel
+gives the same bits), the order of a row's entries, and where in a row its -1 entries sit (each a different order
+of the same sum: a kernel's bits may change, its values may not beyond the tolerance model). A row's entries move
+only among the entries on their side of its request's ``topk_length``.
+
 The canonical problem holds the cache as the values the kernel is held to (``kv_cache`` [P, page, d_qk]) and,
 for a packed format, the packed bytes it reads (``packed``, problems/packed.py). Every slot that no index row
 lists -- at any position, masked ones included -- holds NaN, so a kernel that reads a slot it was not given
@@ -25,6 +31,7 @@ import torch
 
 from ..core.errors import ProblemError
 from .json_fields import FieldCheck, checked_fields, is_int, is_ints, is_number
+from .layouts import LayoutSpec
 from .packed import FORMATS, SCALE_CONVENTIONS, dequantize, packed_format, quantize
 from .problem import QueryShape
 
@@ -33,6 +40,15 @@ UNPACKED = "bf16"  # a plain bf16 cache of 576-value rows (no packed format)
 SPARSE_FORMATS = (UNPACKED, *FORMATS)
 SINKS = ("none", "finite", "+inf", "-inf", "mixed")
 SPARSE_VALUES = ("normal", "extreme")
+# how a sparse kernel is called unless its envelope says otherwise: it allocates out and returns the LSE (of a
+# LayoutSpec, a sparse call reads ``pass_out`` and ``return_lse`` alone: its cache layout is its packed format)
+SPARSE_LAYOUT = LayoutSpec(pass_out=False, return_lse=True)
+# name -> (what it changes, whether a deterministic kernel keeps its bits: else judged within tolerance)
+SPARSE_TRANSFORMS = {
+    "pages": ("the pool's pages permuted (indices renumbered)", True),
+    "topk_order": ("each row's top-k entries permuted", False),
+    "minus1_moved": ("each row's -1 entries moved to its front", False),
+}
 
 
 # what each SparseSpec field may hold in JSON (from_json)
@@ -250,3 +266,35 @@ def _sinks(s: SparseSpec, gen: torch.Generator, device: torch.device) -> torch.T
 def _expect(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ProblemError(f"{field}: {message}")
+
+
+def transform(p: SparseDecodeProblem, name: str, seed: int = 0) -> SparseDecodeProblem:
+    """``p`` under the metamorphic relation ``name`` (SPARSE_TRANSFORMS); the output's order is unchanged."""
+    if name not in SPARSE_TRANSFORMS:
+        raise ValueError(f"unknown sparse metamorphic transform {name!r}; known: {list(SPARSE_TRANSFORMS)}")
+    gen = torch.Generator(device=p.query.device)
+    gen.manual_seed(seed)
+    if name == "pages":
+        P, page = p.kv_cache.shape[:2]
+        perm = torch.randperm(P, generator=gen, device=p.query.device)  # page i moves to slot perm[i]
+        cache = torch.empty_like(p.kv_cache)
+        cache[perm] = p.kv_cache
+        packed = None
+        if p.packed is not None:
+            packed = torch.empty_like(p.packed)
+            packed[perm] = p.packed
+        idx = p.indices.long().clamp_min(0)
+        moved = perm[idx // page] * page + idx % page
+        indices = torch.where(p.indices >= 0, moved, -1).to(torch.int32)
+        return dataclasses.replace(p, kv_cache=cache, packed=packed, indices=indices)
+    K = p.indices.shape[-1]
+    at = torch.arange(K, device=p.query.device)
+    # each entry's side of its request's topk_length: entries move within their side only
+    side = torch.zeros_like(p.indices, dtype=torch.long) if p.topk_length is None else \
+        (at >= p.topk_length.to(at.device)[:, None, None]).long().expand_as(p.indices)
+    if name == "topk_order":
+        key = torch.rand(p.indices.shape, generator=gen, device=p.query.device)
+    else:  # minus1_moved: a stable sort putting -1 first, the valid entries in their order
+        key = (p.indices != -1).to(torch.float32)
+    order = torch.sort(side * 2 + key, dim=-1, stable=True).indices
+    return dataclasses.replace(p, indices=torch.gather(p.indices, -1, order))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..problems.generate import ProblemSpec
+from ..kinds import kind_of
+from ..problems.envelope import DENSE
 from ..problems.layouts import LayoutSpec
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def in_flight_note(path: Path) -> str:
             f"`mla-verify replay {path}` re-runs it)")
 
 
-def record_in_flight(directory: Path, backend: str, spec: ProblemSpec, layout: LayoutSpec, transform: str,
+def record_in_flight(directory: Path, backend: str, spec: Any, layout: LayoutSpec, transform: str,
                      device: torch.device, source: dict[str, str] | None = None) -> Path:
     """Write the case about to run as a reproducer (in_flight_path), before its kernel is called: if the kernel
     takes the process down, the file remains, and ``mla-verify replay`` re-runs the case isolated."""
@@ -50,9 +51,10 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
     fixtures.DEFAULT_MAX_REPRODUCER_MIB; fixtures.write_reproducer: its spec, layout and verdict, the kernel's
     output summarised, tensors only where the spec cannot rebuild them) and, for a user kernel, ``source``:
     where it was loaded from (Backend.source), so that replay finds it from any directory. None (said on
-    stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost. A crash is
-    recorded by its spec alone (fixtures.write_case_record), as run on ``device``."""
-    from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, write_case_record, write_reproducer
+    stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost. A crash, and a
+    case of another kind than dense, is recorded by its spec alone (fixtures.write_case_record), as run on
+    ``device``."""
+    from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, tensor_summary, write_case_record, write_reproducer
 
     meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
             "layout": case.layout.to_json(), "metamorphic": case.metamorphic, "verdict": case.verdict,
@@ -64,6 +66,10 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
     try:
         if case.crash:  # no problem kept: the device it was on may be unusable, and its spec rebuilds it
             meta["crash"] = case.crash
+            return write_case_record(directory, case.id, case.spec, torch.device(device), meta)
+        if kind_of(case.spec).name != DENSE:  # its spec rebuilds it; the kernel's output is summarised
+            meta["kernel_output"] = {k: None if t is None else tensor_summary(t)
+                                     for k, t in (("out", case.out), ("lse", case.lse))}
             return write_case_record(directory, case.id, case.spec, torch.device(device), meta)
         assert case.problem is not None  # a failure keeps its problem (harness.py)
         saved = write_reproducer(directory, case.id, case.problem, case.spec, meta, case.out, case.lse, cap << 20)
@@ -91,7 +97,7 @@ def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None 
     from .fixtures import fixture_paths
 
     lines = [f"FAIL {case.backend}: {case.reason}", f"  minimal case: {case.spec.describe()}",
-             f"  layout: {case.layout.describe()}" + (f"; metamorphic check: {case.metamorphic}"
+             f"  layout: {case.kind.describe_layout(case.layout)}" + (f"; metamorphic check: {case.metamorphic}"
                                                       if case.metamorphic != "none" else "")]
     lines += [f"  - {f}" for f in case.failures]
     lines += [f"  diagnosis: {d}" for d in case.diagnosis]  # none: the kernel left no output to diagnose

@@ -11,6 +11,11 @@ of the kernel's output, and stores tensors only where they cannot be rebuilt, wi
 (``write_case_record``: a crash's reproducer, or the case in flight written before its kernel is called) is
 the JSON alone, with no records of the problem's tensors to check a rebuilt one against. Version 1
 fixtures (every one holding its problem's tensors, e.g. fixtures/golden) load as before.
+
+One format serves every problem kind (mla_verify/kinds): ``problem_kind`` names the kind whose spec ``spec`` is
+(absent: dense). A case of another kind than dense is recorded by its spec alone (``write_case_record``, with the
+kernel's output summarised): its spec rebuilds its problem bit for bit on the same device type. The sparse
+reproducers of earlier versions (``"kind": "sparse-regression"``) are read as such records.
 """
 from __future__ import annotations
 
@@ -31,10 +36,12 @@ from safetensors.torch import save as st_save
 from ..core.bits import same_bits
 from ..core.dims import MLADims
 from ..core.errors import FixtureError, MLAVerifyError, UsageError
+from ..kinds import ProblemKind, kind_named, kind_of
+from ..problems.envelope import DENSE, SPARSE
 from ..problems.generate import ProblemSpec, build_problem
 from ..problems.layouts import LayoutSpec
-from ..problems.metamorphic import TRANSFORMS
 from ..problems.problem import DecodeProblem
+from ..problems.sparse import SPARSE_LAYOUT
 
 FORMAT = "mla-verify-fixture"
 FORMAT_VERSION = 2  # 2: the problem's tensors may be left out (rebuilt from the spec); 1: always stored
@@ -43,6 +50,7 @@ PROBLEM_TENSORS = ("query", "kv_cache", "block_table", "seq_lens")
 KERNEL_TENSORS = {"out": "kernel_out", "lse": "kernel_lse"}  # what a reproducer stores of the kernel, if it fits
 DEFAULT_MAX_REPRODUCER_MIB = 16  # a reproducer's files; a 131072-token problem alone is ~150 MiB
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+LEGACY_SPARSE = "sparse-regression"  # the ``kind`` of a sparse reproducer written before one format served all
 PICKLE_PROTOCOL_2_PLUS = b"\x80"
 ZIP_MAGIC = b"PK"  # torch.save's archive, which holds a pickle
 
@@ -53,13 +61,17 @@ class Fixture:
     tensors it stored (kernel output, reference answers)."""
 
     problem: DecodeProblem | None  # None: not stored, ``problem_on`` rebuilds it from ``spec``
-    spec: ProblemSpec | None  # None for a problem that no spec generated
+    spec: Any  # its kind's spec (ProblemSpec, SparseSpec); None for a problem that no spec generated
     layout: LayoutSpec
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     json_path: Path
 
-    def problem_on(self, device: torch.device | str) -> tuple[DecodeProblem, bool | None]:
+    @property
+    def kind(self) -> ProblemKind:
+        return kind_named(self.meta.get("problem_kind", DENSE))
+
+    def problem_on(self, device: torch.device | str) -> tuple[Any, bool | None]:
         """(the case's problem on ``device``, whether it has the recorded bits). A stored problem is moved
         there (True). A spec-only one is rebuilt there: True or False on the device type it was recorded on,
         None on another (each device type draws its own values from a seed)."""
@@ -67,7 +79,7 @@ class Fixture:
         if self.problem is not None:
             return self.problem.to(device), True
         assert self.spec is not None  # load_fixture refuses a fixture with neither
-        problem = build_problem(self.spec, device)
+        problem = self.kind.build(self.spec, device)
         if str(self.meta.get("source_device", "cpu")).split(":")[0] != device.type:
             return problem, None
         recorded = self.meta["problem_tensors"]
@@ -201,12 +213,13 @@ def write_reproducer(directory: str | os.PathLike, fixture_id: str, problem: Dec
                                    f"of {max_bytes / 2**20:g} MiB (--max-reproducer-mib)")
 
 
-def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: ProblemSpec, device: torch.device,
+def write_case_record(directory: str | os.PathLike, fixture_id: str, spec: Any, device: torch.device,
                       meta: dict[str, Any], durable: bool = True) -> Path:
     """A case as a JSON-only fixture that its spec rebuilds, written without building its problem: the
     reproducer of a kernel that crashed (its device may be unusable), or the record of the case about to run
     (``durable=False``: written over in place, overwrite_in_place)."""
-    record = {**meta, "spec": spec.to_json(), "format": FORMAT, "format_version": FORMAT_VERSION,
+    record = {**meta, "spec": spec.to_json(), "problem_kind": kind_of(spec).name, "format": FORMAT,
+              "format_version": FORMAT_VERSION,
               "source_device": str(device),
               **({"torch_threads": torch.get_num_threads()} if device.type == "cpu" else {}),
               "versions": library_versions(), "problem_stored": False, "problem_tensors": None,
@@ -258,7 +271,8 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
     if stored and missing:
         raise FixtureError(f"{tensors_path}: lacks problem tensor(s) {missing}")
     try:
-        spec = ProblemSpec.from_json(meta["spec"]) if meta.get("spec") else None
+        kind = kind_named(meta.get("problem_kind", DENSE))
+        spec = kind.spec_from_json(meta["spec"]) if meta.get("spec") else None
         layout = LayoutSpec(**meta.get("layout", {}))
         problem = None
         if stored:
@@ -275,7 +289,7 @@ def load_fixture(path: str | os.PathLike) -> Fixture:
         if isinstance(e, FixtureError):
             raise
         raise FixtureError(f"{json_path}: invalid problem or spec: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # a field missing or mistyped, or an unknown problem_kind
         raise FixtureError(f"{json_path}: malformed record ({type(e).__name__}: {e})") from None
     return Fixture(problem, spec, layout, meta, tensors, json_path)
 
@@ -291,8 +305,12 @@ def _problem_records_ok(meta: dict[str, Any]) -> bool:
 
 def _check_case_fields(json_path: Path, meta: dict[str, Any]) -> None:
     """The fields replay reads besides the problem: a wrong type is one FixtureError, not a crash later."""
-    if meta.get("metamorphic", "none") not in TRANSFORMS:
-        raise FixtureError(f"{json_path}: metamorphic {meta['metamorphic']!r} is not one of {list(TRANSFORMS)}")
+    try:
+        relations = ["none", *kind_named(meta.get("problem_kind", DENSE)).relations]
+    except ValueError as e:
+        raise FixtureError(f"{json_path}: {e}") from None
+    if meta.get("metamorphic", "none") not in relations:
+        raise FixtureError(f"{json_path}: metamorphic {meta['metamorphic']!r} is not one of {relations}")
     if not isinstance(meta.get("backend", ""), str):
         raise FixtureError(f"{json_path}: backend {meta['backend']!r} is not a name")
     threads = meta.get("torch_threads", 1)
@@ -373,12 +391,21 @@ def _read_meta(json_path: Path, tensors_path: Path) -> dict[str, Any]:
         meta = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FixtureError(f"{json_path}: not valid JSON ({e.__class__.__name__}: truncated or garbage)") from None
+    if isinstance(meta, dict) and meta.get("kind") == LEGACY_SPARSE and "format" not in meta:
+        meta = _from_legacy_sparse(meta)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise FixtureError(f"{json_path}: not an mla-verify fixture (no \"format\": \"{FORMAT}\")")
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise FixtureError(f"{json_path}: fixture format version {meta.get('format_version')!r}; "
                            f"this mla-verify reads versions {', '.join(map(str, READABLE_VERSIONS))}")
     return meta
+
+
+def _from_legacy_sparse(meta: dict[str, Any]) -> dict[str, Any]:
+    """A sparse reproducer of an earlier version as the case record it is: its spec, rebuilt on replay."""
+    return {**meta, "kind": "regression", "problem_kind": SPARSE, "format": FORMAT, "format_version": FORMAT_VERSION,
+            "layout": SPARSE_LAYOUT.to_json(), "metamorphic": "none", "problem_stored": False,
+            "problem_tensors": None, "tensors_file": None, "tensors_sha256": None, "tensors": {}}
 
 
 def _is_pickle_or_zip(data: bytes) -> bool:

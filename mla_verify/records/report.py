@@ -5,8 +5,9 @@ plots (``out.err-vs-seq.svg``, ``out.err-vs-heads.svg``) that the Markdown links
 Everything but the JSON is rendered from the JSON alone, so ``mla-verify report out.json`` re-renders them.
 Plots are plain SVG drawn here: no plotting dependency, and every runner can write them.
 
-Sparse (top-k) backends are entries of ``backends`` too (``"kind": "sparse"``), so the verdict, the tables and
-JUnit count them; their cases are in ``sparse_cases``, apart from the dense ``cases``, whose specs the plots read.
+Backends and cases of every problem kind are recorded alike: each backend and each case says its ``kind`` (dense,
+sparse); a case of another kind than dense carries its ``description``, since its spec is another schema. (A
+report of version 2 kept sparse cases apart, in ``sparse_cases``: they are read from there.)
 """
 from __future__ import annotations
 
@@ -27,13 +28,11 @@ from .run_table import settings_rows, time_table
 if TYPE_CHECKING:
     from ..run.engine import EngineResult
     from ..run.harness import CaseResult
-    from ..run.sparse_case import SparseCaseResult
-    from ..run.sparse_check import SparseRunResult
 
 FORMAT = "mla-verify-report"
-FORMAT_VERSION = 2  # 2: sparse backends in backends ("kind"), their cases in sparse_cases; 1: dense only
+FORMAT_VERSION = 3  # 3: every kind's cases in cases; 2: sparse ones in sparse_cases; 1: dense only
 RENDERED = {"xml": ".xml", "md": ".md", "html": ".html"}
-PLOTS = {"seq": ("err-vs-seq", "longest sequence in the case, tokens", "max_seq"),
+PLOTS = {"seq": ("err-vs-seq", "longest sequence in the case (sparse: top-k), tokens", "max_seq"),
          "heads": ("err-vs-heads", "heads", "heads")}
 WORST_SHOWN = 20  # the Markdown/HTML list the worst cases; the JSON has all of them
 
@@ -90,7 +89,7 @@ def render(report: dict[str, Any], json_path: Path) -> list[Path]:
     try:
         paths["xml"].write_text(junit_xml(report))
         aliases = {b["name"]: list(b["resolved"]) for b in report.get("backends", []) if b.get("resolved")}
-        svgs = {k: scatter_svg(report["cases"], k, aliases) for k in PLOTS}
+        svgs = {k: scatter_svg(all_cases(report), k, aliases) for k in PLOTS}
         for k, svg in svgs.items():
             paths[k].write_text(svg)
         blocks = _document(report, {k: paths[k].name for k in PLOTS}, svgs)
@@ -137,14 +136,17 @@ def junit_xml(report: dict[str, Any]) -> str:
 
 
 def backend_cases(report: dict[str, Any], backend: dict[str, Any]) -> list[dict[str, Any]]:
-    """A backend's cases: from ``sparse_cases`` for a sparse one, else ``cases`` (a report of version 1 has
-    only dense backends, without a kind)."""
-    kind = "sparse_cases" if backend.get("kind") == "sparse" else "cases"
-    return [c for c in report.get(kind, []) if c["backend"] == backend["name"]]
+    """A backend's cases (of a version 2 report, a sparse one's from ``sparse_cases``)."""
+    return [c for c in all_cases(report) if c["backend"] == backend["name"]]
+
+
+def all_cases(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every case of the report, whatever its kind and the report's version."""
+    return [*report["cases"], *report.get("sparse_cases", [])]
 
 
 def _short(c: dict[str, Any]) -> str:
-    if "description" in c:  # a sparse case: its own spec schema, described when it was recorded
+    if "description" in c:  # another kind than dense: its own spec schema, described when it was recorded
         return str(c["description"])
     s = c["spec"]
     lens = s["seq_lens"]
@@ -174,7 +176,9 @@ MARKS = {
 
 def _x_value(case: dict[str, Any], key: str) -> float:
     spec = case["spec"]
-    return float(max(spec["seq_lens"]) if key == "max_seq" else spec["num_heads"])
+    if key != "max_seq":
+        return float(spec["num_heads"])
+    return float(max(spec["seq_lens"]) if "seq_lens" in spec else spec["topk"])  # sparse: the keys a token sees
 
 
 def _error_ratio(case: dict[str, Any]) -> float | None:
@@ -343,7 +347,7 @@ def verdict_banner(report: dict[str, Any]) -> tuple[str, str]:
 
 
 def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str, str]) -> list[Block]:
-    cases = report["cases"]
+    cases = all_cases(report)
     blocks: list[Block] = [("h", 1, "mla-verify report"), ("banner", *verdict_banner(report))]
     if report.get("platform"):
         blocks.append(("p", f"platform: {report['platform']}"))
@@ -394,12 +398,6 @@ def _document(report: dict[str, Any], plot_names: dict[str, str], svgs: dict[str
     blocks.append(("table", ["id", "backend", "verdict", "error/allowed", "case", "reason"],
                    [[c["id"], c["backend"], c["verdict"], _ratio_text(c), _short(c), c.get("reason", "")]
                     for c in judged[:WORST_SHOWN]]))
-    sparse = report.get("sparse_cases", [])
-    if sparse:  # no error statistics to plot: the failing ones are listed
-        failing = [c for c in sparse if c["verdict"] == "fail"]
-        blocks.append(("h", 2, f"Failing sparse cases: {len(failing)} of {len(sparse)}"))
-        blocks.append(("table", ["id", "backend", "case", "reason"],
-                       [[c["id"], c["backend"], _short(c), c.get("reason", "")] for c in failing[:WORST_SHOWN]]))
     return blocks
 
 
@@ -490,13 +488,9 @@ def invariance_line(backend: str, counts: dict[str, int]) -> str | None:
 
 
 def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dict[str, str],
-                 platform: str | None = None, selfcheck: str | None = None, sparse: Iterable[SparseRunResult] = (),
-                 sparse_fixtures: dict[str, str] | None = None) -> dict[str, Any]:
-    """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id); sparse
-    backends' cases apart, in ``sparse_cases`` (their spec is another schema).
-
-    ``fixtures`` (``sparse_fixtures``) maps a dense (sparse) backend name to the reproducer written for its failure.
-    """
+                 platform: str | None = None, selfcheck: str | None = None) -> dict[str, Any]:
+    """The JSON record of a ``check`` run: one entry per backend, one per distinct case (by stable id), of every
+    problem kind. ``fixtures`` maps a backend name to the reproducer written for its failure."""
     cases: list[dict[str, Any]] = []
     recorded: set[str] = set()  # ids hash the backend's name: one run twice (--kernel X twice) repeats them
     backends = []
@@ -509,25 +503,10 @@ def build_report(run: dict[str, Any], results: list[EngineResult], fixtures: dic
             failure = {"id": r.failure.id, "case": r.failure.describe(), "failures": r.failure.failures,
                        "diagnosis": r.failure.diagnosis, "fixture": fixtures.get(r.backend),
                        "first_failing": r.failure.to_json()["first_failing"]}
-        backends.append({"name": r.backend, "kind": "dense", "verdict": r.verdict, "unavailable": r.unavailable,
+        backends.append({"name": r.backend, "kind": r.kind, "verdict": r.verdict, "unavailable": r.unavailable,
                          "cases": len(distinct), "seconds": round(r.seconds, 3),
-                         "timed_out": r.timed_out, "failure": failure,
+                         "timed_out": r.timed_out, "interrupted": r.interrupted, "failure": failure,
                          "resolved": resolutions(c.resolved_backend for c in distinct),
                          "invariance": invariance_counts(distinct)})
-    sparse_cases: list[dict[str, Any]] = []
-    for s in sparse:
-        judged: dict[str, SparseCaseResult] = {}
-        for c in [] if s.unavailable else s.cases:  # an unavailable backend's one skip is no case it ran
-            judged.setdefault(c.id, c)
-        if s.failure is not None:  # the failure as reported: diagnosed, where its first judging was not
-            judged[s.failure.id] = s.failure
-        sparse_cases += [c.to_json() for c in judged.values() if c.id not in recorded]
-        recorded.update(judged)
-        failure = None if s.failure is None else {
-            "id": s.failure.id, "case": s.failure.describe(), "failures": s.failure.failures,
-            "diagnosis": s.failure.diagnosis, "fixture": (sparse_fixtures or {}).get(s.backend)}
-        backends.append({"name": s.backend, "kind": "sparse", "verdict": s.verdict, "unavailable": s.unavailable,
-                         "cases": len(judged), "seconds": round(s.seconds, 3), "interrupted": s.interrupted,
-                         "failure": failure})
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "run": run, "platform": platform,
-            "selfcheck": selfcheck, "backends": backends, "cases": cases, "sparse_cases": sparse_cases}
+            "selfcheck": selfcheck, "backends": backends, "cases": cases}

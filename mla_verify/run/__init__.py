@@ -2,5 +2,5 @@
 the search that draws, judges and shrinks (engine, simplify), time and memory bounds (watchdog), xdist
 workers' devices, progress lines and stage times.
 
-May import: core, problems, backends, judge, draw. (tests/test_imports.py holds this rule.)
+May import: core, problems, backends, judge, draw, kinds. (tests/test_imports.py holds this rule.)
 """

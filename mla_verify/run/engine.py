@@ -1,4 +1,6 @@
-"""Drive Hypothesis over one backend: corner cases, drawn cases, shrinking, time bounds, targeting.
+"""Drive Hypothesis over one backend: corner cases, drawn cases, shrinking, time bounds, targeting -- one search
+for every problem kind (mla_verify/kinds): the backend's kind supplies its cases, corner cases and the steps
+that make a failing case smaller.
 
 ``verify`` returns every case run (shrinking attempts included, in order) and, on failure, the shrunk
 minimal failing case with its diagnosis. Reproducible: premerge and dev use a fixed seed and no database.
@@ -30,8 +32,10 @@ from hypothesis.errors import Flaky
 
 from ..backends.base import Backend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
-from ..draw.strategies import Budget, Case, budget_for, cached_tokens, cases, corner_cases
+from ..draw.strategies import Budget, Case, budget_for
 from ..judge.diagnose import explained, says_more
+from ..kinds import ProblemKind, kind_named
+from ..problems.envelope import DENSE
 from .harness import SKIP_MEMORY, CaseResult
 from .isolate import CaseJudge, case_judge
 from .simplify import simplify, size
@@ -47,6 +51,7 @@ class EngineResult:
     backend: str
     profile: str
     seed: int
+    kind: str = DENSE  # the kind of problem the backend was judged on (mla_verify/kinds)
     cases: list[CaseResult] = field(default_factory=list)
     failure: CaseResult | None = None  # the shrunk minimal failing case
     unavailable: str | None = None  # why the backend cannot run on this device at all
@@ -119,7 +124,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = DEFAULT_SEED if seed is None else seed
-    result = EngineResult(backend.name, prof.name, seed)
+    result = EngineResult(backend.name, prof.name, seed, backend.kind)
     started = time.monotonic()
     reason = backend.unavailable_reason(device)
     if reason is not None:
@@ -128,6 +133,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     if kernel_seconds is not None:
         grace_seconds()  # a malformed grace is a UsageError here, not a "kernel raised" verdict inside a case
     budget = budget if budget is not None else budget_for(device)
+    kind = kind_named(backend.kind)
     minutes = prof.minutes if minutes is None else minutes
     clock = _Clock(None if minutes is None else started + 60.0 * minutes)
     judge = case_judge(backend, device, kernel_seconds, isolate)  # a worker left by an exception ends at exit
@@ -143,8 +149,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
         if r.skip_kind == SKIP_MEMORY:  # the rest of the run draws smaller cases
-            budget.shrink_below(cached_tokens(case.spec.seq_lens, case.spec.page_size, case.spec.extra_pages),
-                                case.spec.batch * case.spec.q_len * case.spec.num_heads)
+            budget.shrink_below(*kind.footprint(case.spec))
         if on_case is not None:
             on_case(r)
         if r.verdict != "fail":  # the run keeps every case's result: only a failure's tensors are used later
@@ -159,18 +164,19 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     try:
         if prof.corner_cases:
             first, step = prof.share
-            for case in corner_cases(backend.envelope, budget)[first::step]:
+            for case in kind.corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
                 r = record(case, diagnose=True)
                 if r.verdict == "fail":
                     corner_failure = r
                     break
-        # The search runs even after a corner case failed: corner cases are big and are not shrunk, while a
-        # drawn failure is shrunk to the smallest problem that still fails, which is what a user wants to read.
+        # The search runs even after a corner case failed: a corner case seeds the search, and a drawn failure
+        # is shrunk by Hypothesis to the smallest problem that still fails, which is what a user wants to read
+        # (the corner case is made smaller too, below: the smaller of the two is reported).
         # Hypothesis may end a search before the deadline by its own rules (e.g. it judges a small envelope
         # exhausted); a time-bounded random search then starts another until the deadline
         for restart in itertools.count():  # each restart its own seed: the same one would repeat the cases
-            _search(backend, prof, max_examples, database, seed + restart, budget, clock, record, drawn)
+            _search(backend, kind, prof, max_examples, database, seed + restart, budget, clock, record, drawn)
             if drawn or prof.deterministic or clock.deadline is None:
                 break
     except _Stop:
@@ -190,7 +196,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         result.failure = smallest
         try:
             if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
-                smallest = result.failure = _simplified(backend, smallest, clock, record)  # in Hypothesis's order
+                smallest = result.failure = _simplified(backend, kind, smallest, clock, record)  # in its order
             if not result.interrupted:
                 result.failure = _replayed(smallest, judge)
         except KeyboardInterrupt:  # the failure as it stood is the report
@@ -215,14 +221,14 @@ def _warm_seconds(judge: CaseJudge) -> float:
     return 0.0 if judge.warmup is None else judge.warmup.seconds
 
 
-def _search(backend: Backend, prof: Profile, max_examples: int | None, database: ExampleDatabase | None,
-            seed: int, budget: Budget, clock: _Clock, record: Callable[..., CaseResult],
-            failures: list[CaseResult]) -> None:
+def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: int | None,
+            database: ExampleDatabase | None, seed: int, budget: Budget, clock: _Clock,
+            record: Callable[..., CaseResult], failures: list[CaseResult]) -> None:
     first, step = prof.share
     drawn_cases = itertools.count()
 
     @hypothesis_settings(prof, max_examples, database)
-    @given(_clocked(cases(backend.envelope, budget), clock))
+    @given(_clocked(kind.cases(backend.envelope, budget), clock))
     def search(case: Case) -> None:
         # another shard's case: drawn, so that every shard draws the same sequence, and not judged; once this
         # shard has a failure every case is judged (Hypothesis is shrinking it)
@@ -253,7 +259,7 @@ def _search(backend: Backend, prof: Profile, max_examples: int | None, database:
             raise _Stop("time up") from None
 
 
-def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
+def _simplified(backend: Backend, kind: ProblemKind, failure: CaseResult, clock: _Clock,
                 record: Callable[..., CaseResult]) -> CaseResult:
     """A failing case made as small as it still fails (simplify.py), within the run's deadline."""
     last = failure
@@ -269,7 +275,7 @@ def _simplified(backend: Backend, failure: CaseResult, clock: _Clock,
         return kept
 
     try:
-        simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails)
+        simplify(Case(failure.spec, failure.layout, failure.metamorphic), backend.envelope, fails, kind)
     except _Stop:
         pass
     return last

@@ -1,17 +1,20 @@
-"""Run one problem on one backend and judge it: the per-case checks, in the order that makes them sharp.
+"""Run one problem on one backend and judge it: the per-case checks, in the order that makes them sharp -- the same
+for every problem kind (mla_verify/kinds: dense decode, sparse top-k decode), which supplies the problem, its
+reference and baseline, its metamorphic relations and its catalogue of misreadings.
 
 1. ``why_not`` before any kernel is touched (skip with the backend's own sentence).
 2. Lay out the problem; snapshot every input; poison ``out`` with +inf (or, when the kernel allocates, prime
    the allocator with +inf so recycled memory cannot pass for written output). Unused cache slots already
-   hold NaN (generate.py), so a read outside a sequence poisons the result.
+   hold NaN (generate.py, sparse.py), so a read outside a sequence (or an index row) poisons the result.
 3. Call the kernel -- before the reference is allocated, as FlashMLA does.
 4. Check: ``out`` filled in place and returned, inputs bit-identical, every element finite and within the
-   tolerance model (compare.py), LSE in the backend's base; the same call again gives the same bits; one
-   metamorphic transformation (metamorphic.py) gives the same bits -- or, for the batch order of a backend
-   that claims only invariance within tolerance (``Backend.batch_invariance``), passes the same tolerance model
-   against the same reference (``CaseResult.invariance`` records which was applied).
-5. On failure, ask diagnose.py which known misreading explains the output, or where it is wrong
-   (localize.py, which may re-run the kernel to tell where a NaN comes from).
+   tolerance model (compare.py, with the kind's same-precision baseline), LSE in the backend's base; the same
+   call again gives the same bits; one of the kind's metamorphic relations gives the same bits -- or, for a
+   relation that changes the arithmetic's order (``Relation.bits`` false: a sparse row's order) and for the
+   batch order of a backend that claims only invariance within tolerance (``Backend.batch_invariance``),
+   passes the same tolerance model against the same reference (``CaseResult.invariance`` records which).
+5. On failure, ask the kind's catalogue which known misreading explains the output, or where it is wrong
+   (diagnose.py and localize.py, which may re-run the kernel to tell where a NaN comes from).
 
 Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
 reason (memory.py). A CUDA error that leaves the device unusable (an illegal memory access, a device-side
@@ -35,16 +38,16 @@ import torch
 
 from ..backends.base import ENVELOPE_PREFIX, INVARIANT_BITS, INVARIANT_WITHIN_TOLERANCE, Backend, PreparedCall
 from ..core.bits import changed_elements, changed_elements_each
+from ..core.errors import UsageError
 from ..core.memory import device_fault, is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
-from ..judge.compare import ErrorStats, baseline_result, compare
-from ..judge.diagnose import diagnose_safely
+from ..judge.compare import ErrorStats, compare
 from ..judge.explains import Rerun
-from ..problems import metamorphic
-from ..problems.generate import ProblemSpec, build_problem
+from ..kinds import ProblemKind, kind_named, kind_of
+from ..problems.envelope import DENSE
 from ..problems.layouts import LayoutSpec
-from ..problems.problem import DecodeProblem
-from ..problems.reference import ReferenceResult, fast_matmul_mode, reference_decode
+from ..problems.metamorphic import BATCH_ORDER, Unmap
+from ..problems.reference import ReferenceResult
 from .watchdog import KernelTimeout, time_limit
 
 POISON_OUT = float("inf")
@@ -62,7 +65,7 @@ OUT_OF_MEMORY = "out of device memory (GPU shared or the case too big for it)"
 @dataclass
 class CaseResult:
     backend: str
-    spec: ProblemSpec
+    spec: Any  # its kind's spec (a ProblemSpec, a SparseSpec): ``kind`` is the kind
     layout: LayoutSpec
     metamorphic: str
     verdict: str  # "pass" | "fail" | "skip"
@@ -71,7 +74,7 @@ class CaseResult:
     stats: ErrorStats | None = None
     seconds: float = 0.0
     diagnosis: list[str] = field(default_factory=list)
-    problem: DecodeProblem | None = None  # kept on failure, for fixtures and diagnosis
+    problem: Any = None  # the kind's problem, kept on failure, for fixtures and diagnosis
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     stages: dict[str, float] = field(default_factory=dict)  # seconds per STAGES entry that ran
@@ -87,6 +90,10 @@ class CaseResult:
     first_failing: tuple[str, list[str], bool] | None = None
 
     @property
+    def kind(self) -> ProblemKind:
+        return kind_of(self.spec)
+
+    @property
     def id(self) -> str:
         """Stable across runs and machines: a hash of backend, spec (seed included), layout and check."""
         blob = json.dumps([self.backend, self.spec.to_json(), self.layout.to_json(), self.metamorphic],
@@ -94,10 +101,12 @@ class CaseResult:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "backend": self.backend, "verdict": self.verdict, "reason": self.reason,
+        kind = self.kind.name
+        return {"id": self.id, "backend": self.backend, "kind": kind, "verdict": self.verdict, "reason": self.reason,
                 "failures": self.failures, "diagnosis": self.diagnosis, "seconds": round(self.seconds, 4),
                 "stages": {k: round(v, 5) for k, v in self.stages.items()}, "skip_kind": self.skip_kind,
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
+                **({} if kind == DENSE else {"description": self.spec.describe()}),
                 "resolved_backend": self.resolved_backend, "invariance": self.invariance,
                 **({"crash": self.crash} if self.crash else {}),
                 "stats": None if self.stats is None else self.stats.to_json(),
@@ -106,7 +115,8 @@ class CaseResult:
                  "tells_more": self.first_failing[2]}}
 
     def describe(self) -> str:
-        return f"[{self.backend}] {self.spec.describe()} | {self.layout.describe()} | metamorphic={self.metamorphic}"
+        return (f"[{self.backend}] {self.spec.describe()} | {self.kind.describe_layout(self.layout)} "
+                f"| metamorphic={self.metamorphic}")
 
 
 class Stages:
@@ -131,23 +141,28 @@ class Stages:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
-def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device | str,
-             transform: str = "none", problem: DecodeProblem | None = None, diagnose: bool = True,
+def run_case(backend: Backend, spec: Any, layout: LayoutSpec, device: torch.device | str,
+             transform: str = "none", problem: Any = None, diagnose: bool = True,
              kernel_seconds: float | None = None, on_stage: Callable[[str], None] | None = None) -> CaseResult:
-    """Judge ``backend`` on one case. ``problem`` overrides building from ``spec`` (fixture replay);
-    ``kernel_seconds`` limits each kernel call (None: no limit); ``on_stage`` is told each stage as it starts
-    (an isolated worker's parent learns from it where a dead worker was)."""
+    """Judge ``backend`` on one case of its kind (``spec``: that kind's spec; a UsageError for another's).
+    ``problem`` overrides building from ``spec`` (fixture replay); ``kernel_seconds`` limits each kernel call
+    (None: no limit); ``on_stage`` is told each stage as it starts (an isolated worker's parent learns from it
+    where a dead worker was)."""
     device = torch.device(device)
+    kind = kind_named(backend.kind)
+    if not isinstance(spec, kind.spec_type):
+        raise UsageError(f"{backend.name} judges {kind.name} decode problems; this case is a "
+                         f"{kind_of(spec).name} one")
     started = time.perf_counter()
     result = CaseResult(backend.name, spec, layout, transform, "pass")
     reason = backend.why_not(spec, layout, device)
     if reason is not None:
-        kind = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
-        result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", kind
+        skip = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
+        result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", skip
         return result
     stage = Stages(device, result.stages, on_stage)
     try:
-        _judge(backend, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
+        _judge(backend, kind, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
     except Exception as exc:  # noqa: BLE001 - out of memory and device faults; anything else is the suite's bug
         fault = device_fault(exc)
         if fault is not None:
@@ -164,7 +179,7 @@ def run_case(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: to
 
 
 class Verdict(Protocol):
-    """What a crash sets on a case's result, dense (CaseResult) or sparse (sparse_case.SparseCaseResult)."""
+    """What a crash sets on a case's result."""
 
     verdict: str
     reason: str
@@ -189,12 +204,12 @@ def hung_line(timeout: KernelTimeout) -> str:
     return f"the kernel {timeout} (a kernel that does not return is a bug)"
 
 
-def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torch.device, transform: str,
-           problem: DecodeProblem | None, diagnose: bool, result: CaseResult, stage: Stages,
+def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, device: torch.device,
+           transform: str, problem: Any, diagnose: bool, result: CaseResult, stage: Stages,
            kernel_seconds: float | None) -> None:
     with stage("build"):
         if problem is None:
-            problem = build_problem(spec, device)
+            problem = kind.build(spec, device)
     failures = result.failures
     limit = _Limit(kernel_seconds, result)
     with stage("prepare"):
@@ -205,45 +220,50 @@ def _judge(backend: Backend, spec: ProblemSpec, layout: LayoutSpec, device: torc
     if run is not None:
         out, lse = run
         result.out, result.lse = out, lse
+        dtype = kind.dtype(problem)
         with stage("reference"):
-            ref = judge_reference(problem)
+            ref = kind.reference(problem)
         with stage("baseline"):
-            baseline = baseline_result(problem, spec.dtype)
+            baseline = kind.baseline(problem, dtype)
         with stage("compare"):
             lse_base = backend.envelope.lse_base if layout.return_lse else None
-            result.stats, numeric = compare(out, lse, ref, baseline, spec.dtype, lse_base)
+            result.stats, numeric = compare(out, lse, ref, baseline, dtype, lse_base)
         failures += numeric
         # The metamorphic call compares bits with the first call, so it also catches a kernel that differs
         # from one call to the next; the plain repeat runs when there is no transform, or when the
         # transformed call differed, to tell the two apart.
         if not failures and transform != "none":
             with stage("metamorphic"):
-                moved, unmap = metamorphic.transform(problem, transform, spec.seed)
+                relation = kind.relations[transform]
+                moved, unmap = relation.apply(problem, spec.seed)
                 again: list[str] = []
                 moved_call = _prepare(backend, moved, layout, again)
                 if moved_call is None:
-                    failures.append(f"with {metamorphic.DESCRIPTIONS[transform]}: {again[0]}")
-                elif transform == metamorphic.BATCH_ORDER and backend.batch_invariance == INVARIANT_WITHIN_TOLERANCE:
+                    failures.append(f"with {relation.description}: {again[0]}")
+                elif not relation.bits or (transform == BATCH_ORDER
+                                           and backend.batch_invariance == INVARIANT_WITHIN_TOLERANCE):
                     result.invariance = INVARIANT_WITHIN_TOLERANCE
                     assert ref is not None  # judged above
-                    _check_within_tolerance(moved_call, moved, unmap, ref, baseline, spec.dtype, lse_base, failures,
-                                            limit)
+                    _check_within_tolerance(moved_call, moved, unmap, ref, baseline, dtype, lse_base, failures,
+                                            limit, relation.description + ("" if not relation.bits else
+                                                                           " (judged within tolerance, the "
+                                                                           "backend's claim)"))
                 else:
                     result.invariance = INVARIANT_BITS
-                    _check_repeatable(moved_call, moved, out, lse, failures, limit, transform, unmap)
+                    _check_repeatable(moved_call, moved, out, lse, failures, limit, relation.description, unmap)
         differed = bool(failures) and NOT_BIT_IDENTICAL in failures[-1] and not result.hung
         if (not failures and transform == "none") or differed:
             with stage("repeat"):  # the very same call again: the same prepared arguments
                 repeat: list[str] = []
                 assert prepared is not None  # there is an output to repeat
-                _check_repeatable(prepared, problem, out, lse, repeat, limit, "none")
+                _check_repeatable(prepared, problem, out, lse, repeat, limit, "a second identical call")
                 failures[:0] = repeat  # nondeterminism, if seen, is the first failure: it explains the rest
     if failures:
         result.verdict, result.reason, result.problem = "fail", failures[0], problem
         if diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
             with stage("diagnose"):
-                result.diagnosis = diagnose_safely(problem, result.out, result.lse, backend.envelope.lse_base, ref,
-                                                   rerun=kernel_rerun(backend, layout, limit))
+                result.diagnosis = kind.diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref,
+                                                 kernel_rerun(backend, layout, limit))
 
 
 @dataclass
@@ -254,7 +274,7 @@ class _Limit:
     result: CaseResult | None
 
 
-def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
+def _prepare(backend: Backend, problem: Any, layout: LayoutSpec,
              failures: list[str]) -> PreparedCall | None:
     try:
         return backend.prepare(problem, layout)
@@ -265,7 +285,7 @@ def _prepare(backend: Backend, problem: DecodeProblem, layout: LayoutSpec,
         return None
 
 
-def _call(prepared: PreparedCall, problem: DecodeProblem, failures: list[str], limit: _Limit,
+def _call(prepared: PreparedCall, problem: Any, failures: list[str], limit: _Limit,
           stage: Stages | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Snapshot, poison, call; append contract violations. None when there is no output to judge."""
     with stage("prepare") if stage else contextlib.nullcontext():
@@ -274,11 +294,11 @@ def _call(prepared: PreparedCall, problem: DecodeProblem, failures: list[str], l
         return _checked_call(prepared, problem, snapshot, failures, limit)
 
 
-def _checked_call(prepared: PreparedCall, problem: DecodeProblem, snapshot: dict[str, torch.Tensor],
+def _checked_call(prepared: PreparedCall, problem: Any, snapshot: dict[str, torch.Tensor],
                   failures: list[str], limit: _Limit) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     try:
         with time_limit(limit.seconds, "" if limit.result is None else limit.result.describe()):
-            raw = _invoke(prepared, problem.out_shape, problem.device)
+            raw = _invoke(prepared, problem.out_shape, problem.query.device)
     except KernelTimeout as exc:
         if limit.result is not None:
             limit.result.hung = True
@@ -329,13 +349,12 @@ def _invoke(prepared: PreparedCall, out_shape: tuple[int, ...], device: torch.de
     return raw
 
 
-def _check_repeatable(prepared: PreparedCall, problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
-                      failures: list[str], limit: _Limit, transform: str,
-                      unmap: metamorphic.Unmap | None = None) -> None:
-    """Call ``prepared`` (the same call, or the ``transform``ed problem's) and require the very same bits."""
+def _check_repeatable(prepared: PreparedCall, problem: Any, out: torch.Tensor, lse: torch.Tensor | None,
+                      failures: list[str], limit: _Limit, what: str, unmap: Unmap | None = None) -> None:
+    """Call ``prepared`` (the same call, or a transformed problem's: ``what`` it is) and require the very same
+    bits."""
     again_failures: list[str] = []
     run = _call(prepared, problem, again_failures, limit)
-    what = "a second identical call" if transform == "none" else metamorphic.DESCRIPTIONS[transform]
     if run is None or again_failures:
         failures.append(f"with {what}: " + (again_failures[0] if again_failures else "no output"))
         return
@@ -347,12 +366,12 @@ def _check_repeatable(prepared: PreparedCall, problem: DecodeProblem, out: torch
         failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
 
 
-def _check_within_tolerance(prepared: PreparedCall, problem: DecodeProblem, unmap: metamorphic.Unmap,
-                            ref: ReferenceResult, baseline: ReferenceResult, dtype: str, lse_base: float | None,
-                            failures: list[str], limit: _Limit) -> None:
-    """Call the batch-reordered ``prepared`` and judge its output, mapped back, by the tolerance model against
-    the original problem's reference: the claim of a backend whose bits depend on the whole batch."""
-    what = f"{metamorphic.DESCRIPTIONS[metamorphic.BATCH_ORDER]} (judged within tolerance, the backend's claim)"
+def _check_within_tolerance(prepared: PreparedCall, problem: Any, unmap: Unmap, ref: ReferenceResult,
+                            baseline: ReferenceResult, dtype: str, lse_base: float | None, failures: list[str],
+                            limit: _Limit, what: str) -> None:
+    """Call the transformed ``prepared`` (``what`` it is) and judge its output, mapped back, by the tolerance
+    model against the original problem's reference: for a relation that changes the order of the arithmetic,
+    and the claim of a backend whose bits depend on the whole batch."""
     again: list[str] = []
     run = _call(prepared, problem, again, limit)
     if run is None or again:
@@ -364,19 +383,14 @@ def _check_within_tolerance(prepared: PreparedCall, problem: DecodeProblem, unma
         failures.append(f"with {what}: {numeric[0]}")
 
 
-def judge_reference(problem: DecodeProblem) -> ReferenceResult:
-    """float64 on CPUs; on GPUs the fast mode (exact bf16 products, fp32 sums; reference.py states its bound)."""
-    if problem.device.type == "cpu":
-        return reference_decode(problem, torch.float64)
-    return reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem))
-
-
 def kernel_rerun(backend: Backend, layout: LayoutSpec, limit: _Limit | None = None) -> Rerun:
-    """The kernel's output on another problem (diagnosis re-runs it), laid out as before but with contiguous
-    pages -- the NaN between strided pages must not stand in for the poison the re-run replaced -- and under
-    the case's time limit (a timeout here is no verdict: the case has failed already; none without ``limit``)."""
-    def rerun(problem: DecodeProblem) -> torch.Tensor | None:
-        prepared = _prepare(backend, problem, replace(layout, page_stride_pad=0), [])
+    """The kernel's output on another problem (diagnosis re-runs it), laid out as before (less what the kind's
+    ``rerun_layout`` leaves out) and under the case's time limit (a timeout here is no verdict: the case has
+    failed already; none without ``limit``)."""
+    plain = kind_named(backend.kind).rerun_layout(layout)
+
+    def rerun(problem: Any) -> torch.Tensor | None:
+        prepared = _prepare(backend, problem, plain, [])
         call_limit = _Limit(None, None) if limit is None or limit.result is None else \
             _Limit(limit.seconds, replace(limit.result))
         run = None if prepared is None else _call(prepared, problem, [], call_limit)

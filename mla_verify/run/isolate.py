@@ -8,12 +8,11 @@ was loaded), warms up (warmup.py: it loads the backend's compiled modules, which
 their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up again,
 before the next case. The fork server never touches CUDA, so each worker makes its own context (forking a
 process that holds one is not safe).
-Dense cases (``Isolated``, harness.run_case) and sparse ones (``IsolatedSparse``, sparse_case.run_sparse_case,
-the backend named by registry name or MODULE:ATTR: ``named_sparse_backend``) share the worker (``_Worker``).
+Cases of every problem kind (mla_verify/kinds) are judged alike, by harness.run_case.
 
 Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
-from its spec (problems regenerate bit for bit), the parent rebuilds a failing dense case's problem for its
-reproducer, and the kernel's output comes back as safetensors bytes (a sparse reproducer is its spec alone).
+from its spec (problems regenerate bit for bit), the parent rebuilds a failing case's problem for its
+reproducer, and the kernel's output comes back as safetensors bytes.
 The stage each case is in is kept in shared memory, so the parent knows it after a death.
 """
 from __future__ import annotations
@@ -35,45 +34,32 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..backends import Backend, SparseBackend, named_backend, named_sparse_backend
+from ..backends import Backend, named_backend
 from ..core.errors import FixtureError, MLAVerifyError, ProblemError, UsageError
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats
-from ..problems.generate import ProblemSpec, build_problem
+from ..kinds import kind_named
 from ..problems.layouts import LayoutSpec
-from ..problems.problem import DecodeProblem
-from ..problems.sparse import SparseSpec
 from . import watchdog
 from .harness import STAGES, CaseResult, crashed, run_case
-from .sparse_case import SparseCaseResult, run_sparse_case
 from .warmup import WarmupResult, warm_up
 
 EXIT_STUCK = 86  # a worker ended by the watchdog's hard stop (a kernel stuck in native code); any free code
 _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "skip_kind", "hung",
           "resolved_backend", "invariance", "crash", "context_lost")  # the CaseResult fields sent as they are
-_SPARSE_PLAIN = ("verdict", "failures", "reason", "diagnosis", "crash", "context_lost", "hung", "stages")
-DENSE, SPARSE = "dense", "sparse"  # the kinds of case a worker judges
 
 
 class CaseJudge(Protocol):
     """Judges one case of one backend (``run_case``'s arguments beyond the backend); ``start`` readies it for
     the first case (an isolated worker warms up there); ``close`` frees it."""
 
-    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult: ...
+    def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult: ...
 
     def start(self) -> None: ...
 
     @property
     def warmup(self) -> WarmupResult | None:
         """Its own warm-ups added up; None when it has none (in-process, the caller warms up)."""
-
-    def close(self) -> None: ...
-
-
-class SparseCaseJudge(Protocol):
-    """Judges one sparse case of one backend (``run_sparse_case``'s arguments beyond the backend)."""
-
-    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult: ...
 
     def close(self) -> None: ...
 
@@ -85,9 +71,9 @@ class InProcess:
     backend: Backend
     device: torch.device
     kernel_seconds: float | None
-    problem: DecodeProblem | None = None  # instead of building each case's from its spec (a fixture's replay)
+    problem: Any = None  # instead of building each case's from its spec (a fixture's replay)
 
-    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+    def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         return run_case(self.backend, spec, layout, self.device, transform, problem=self.problem, diagnose=diagnose,
                         kernel_seconds=self.kernel_seconds)
 
@@ -110,9 +96,9 @@ class Isolated:
     def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
                  keep_output: bool = False, warm: bool = False) -> None:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
-        self._worker = _Worker(DENSE, backend.name, backend.source, backend.name, device, kernel_seconds, warm)
+        self._worker = _Worker(backend.name, backend.source, device, kernel_seconds, warm)
 
-    def __call__(self, spec: ProblemSpec, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
+    def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         reply = self._worker.ask({"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
                                   "diagnose": diagnose, "kernel_seconds": self.kernel_seconds,
                                   "keep_output": self.keep_output})
@@ -122,7 +108,7 @@ class Isolated:
             return result
         result = _decoded(self.backend.name, spec, layout, transform, *reply)
         if result.verdict == "fail" and not result.crash:  # for the reproducer, as run_case keeps it
-            result.problem = build_problem(spec, self.device)
+            result.problem = kind_named(self.backend.kind).build(spec, self.device)
         return result
 
     def start(self) -> None:
@@ -137,45 +123,6 @@ class Isolated:
         self._worker.stop()
 
 
-@dataclasses.dataclass
-class InProcessSparse:
-    """Sparse cases judged in this process (``--no-isolate``), as ``InProcess``."""
-
-    backend: SparseBackend
-    device: torch.device
-    kernel_seconds: float | None
-
-    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
-        return run_sparse_case(self.backend, spec, self.device, diagnose, self.kernel_seconds)
-
-    def close(self) -> None:
-        pass
-
-
-class IsolatedSparse:
-    """Sparse cases judged in a persistent worker process, as ``Isolated``; the worker loads the backend by
-    ``target`` (its registered name, or the MODULE:ATTR it was given as), from where it was loaded."""
-
-    def __init__(self, backend: SparseBackend, device: torch.device, kernel_seconds: float | None,
-                 target: str | None = None) -> None:
-        self.backend, self.kernel_seconds = backend, kernel_seconds
-        self._worker = _Worker(SPARSE, target or backend.name, backend.source, backend.name, device, kernel_seconds)
-
-    def __call__(self, spec: SparseSpec, diagnose: bool) -> SparseCaseResult:
-        reply = self._worker.ask({"spec": spec.to_json(), "diagnose": diagnose,
-                                  "kernel_seconds": self.kernel_seconds})
-        result = SparseCaseResult(self.backend.name, spec, "pass")
-        if isinstance(reply, _Death):
-            crashed(result, reply.what, reply.stage)
-        else:
-            for k in _SPARSE_PLAIN:
-                setattr(result, k, reply[0][k])
-        return result
-
-    def close(self) -> None:
-        self._worker.stop()
-
-
 @dataclasses.dataclass(frozen=True)
 class _Death:
     """What ended a worker, and the stage its case was in ("" before the first)."""
@@ -185,14 +132,14 @@ class _Death:
 
 
 class _Worker:
-    """One persistent worker process judging one backend's cases of one ``kind`` (DENSE or SPARSE), started on
-    the first case and again after each death. ``target`` and ``source`` load the backend in the worker;
-    ``label`` names it in messages; ``warm``: each worker loads the backend's compiled modules before its first
-    case (a dense backend's: warmup.py), and ``warmup`` adds up what that took."""
+    """One persistent worker process judging one backend's cases, started on the first case and again after each
+    death. ``target`` (its name: a registered one, or the ``--kernel`` it was given as) and ``source`` load the
+    backend in the worker (``named_backend``); ``warm``: each worker loads the backend's compiled modules before
+    its first case (warmup.py), and ``warmup`` adds up what that took."""
 
-    def __init__(self, kind: str, target: str, source: dict[str, str] | None, label: str, device: torch.device,
+    def __init__(self, target: str, source: dict[str, str] | None, device: torch.device,
                  kernel_seconds: float | None, warm: bool = False) -> None:
-        self.kind, self.target, self.source, self.label = kind, target, source, label
+        self.target, self.source = target, source
         self.device, self.kernel_seconds, self.warm = device, kernel_seconds, warm
         self.warmup: WarmupResult | None = None
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
@@ -238,8 +185,8 @@ class _Worker:
     def _start(self) -> None:
         conn, child = self._mp.Pipe()
         process = self._mp.Process(
-            target=_serve, name=f"mla-verify worker ({self.label})", daemon=True,
-            args=(child, self.kind, self.target, self.source, str(self.device), torch.get_num_threads(),
+            target=_serve, name=f"mla-verify worker ({self.target})", daemon=True,
+            args=(child, self.target, self.source, str(self.device), torch.get_num_threads(),
                   watchdog.grace_seconds(), self._stage, self.warm))
         with _this_package_first():
             process.start()
@@ -247,11 +194,11 @@ class _Worker:
         self._process, self._conn = process, conn
         reply = self._receive()
         if reply is None:
-            raise UsageError(f"{self.label}: the isolated worker died while loading the backend "
+            raise UsageError(f"{self.target}: the isolated worker died while loading the backend "
                              f"({self._death()}); --no-isolate runs it in this process")
         if "error" in reply[0]:
             self.stop()
-            raise UsageError(f"{self.label}: the isolated worker could not load it: {reply[0]['error']} "
+            raise UsageError(f"{self.target}: the isolated worker could not load it: {reply[0]['error']} "
                              "(--no-isolate runs it in this process)")
         if reply[0]["warmup"] is not None:
             warmed = WarmupResult(**reply[0]["warmup"])
@@ -326,14 +273,7 @@ def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | N
     return InProcess(backend, device, kernel_seconds)
 
 
-def sparse_case_judge(backend: SparseBackend, device: torch.device, kernel_seconds: float | None, isolate: bool,
-                      target: str | None = None) -> SparseCaseJudge:
-    """``target``: what the backend was named by (IsolatedSparse), when not its registered name."""
-    return IsolatedSparse(backend, device, kernel_seconds, target) if isolate \
-        else InProcessSparse(backend, device, kernel_seconds)
-
-
-def _decoded(name: str, spec: ProblemSpec, layout: LayoutSpec, transform: str, header: dict[str, Any],
+def _decoded(name: str, spec: Any, layout: LayoutSpec, transform: str, header: dict[str, Any],
              tensors: dict[str, torch.Tensor]) -> CaseResult:
     stats = header["stats"]
     return CaseResult(name, spec, layout, transform, **{k: header[k] for k in _PLAIN},
@@ -347,7 +287,7 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
         conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
 
 
-def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, threads: int, grace: float,
+def _serve(conn: Connection, target: str, source: Any, device: str, threads: int, grace: float,
            stage: Any, warm: bool) -> None:
     """The worker: load the backend (``warm``: and its compiled modules), then judge each case sent until the
     parent closes the pipe, or until a CUDA error leaves this process's device unusable. ``threads`` and
@@ -356,9 +296,8 @@ def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, t
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
     os.environ[watchdog.GRACE_ENV] = repr(grace)
     torch.set_num_threads(threads)  # CPU sums round by the thread count
-    load, judge = _KINDS[kind]
     try:
-        backend = load(target, source)
+        backend = named_backend(target, source)
     except MLAVerifyError as e:
         _send(conn, {"error": str(e)})
         return
@@ -374,7 +313,7 @@ def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, t
         except EOFError:
             return
         try:
-            header, tensors = judge(backend, request, device, entered)
+            header, tensors = _judge(backend, request, device, entered)
         except (ProblemError, FixtureError) as exc:  # a malformed case (a damaged reproducer): the user's one line
             _send(conn, {"malformed": [type(exc).__name__, str(exc)]})
             continue
@@ -386,24 +325,12 @@ def _serve(conn: Connection, kind: str, target: str, source: Any, device: str, t
             return
 
 
-def _judge_dense(backend: Backend, request: dict[str, Any], device: str,
-                 on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    r = run_case(backend, ProblemSpec.from_json(request["spec"]), LayoutSpec(**request["layout"]), device,
-                 request["transform"], diagnose=request["diagnose"], kernel_seconds=request["kernel_seconds"],
-                 on_stage=on_stage)
+def _judge(backend: Backend, request: dict[str, Any], device: str,
+           on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    spec = kind_named(backend.kind).spec_from_json(request["spec"])
+    r = run_case(backend, spec, LayoutSpec(**request["layout"]), device, request["transform"],
+                 diagnose=request["diagnose"], kernel_seconds=request["kernel_seconds"], on_stage=on_stage)
     header = {k: getattr(r, k) for k in _PLAIN}
     header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
     kept = r.verdict == "fail" or request["keep_output"]
     return header, {k: t for k, t in (("out", r.out), ("lse", r.lse)) if t is not None and kept}
-
-
-def _judge_sparse(backend: SparseBackend, request: dict[str, Any], device: str,
-                  on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    r = run_sparse_case(backend, SparseSpec.from_json(request["spec"]), device, request["diagnose"],
-                        request["kernel_seconds"], on_stage)
-    return {k: getattr(r, k) for k in _SPARSE_PLAIN}, {}
-
-
-# each kind of case: how the worker loads its backend by name and source, and judges one request
-_KINDS: dict[str, tuple[Callable[[str, Any], Any], Callable[..., tuple[dict[str, Any], dict[str, torch.Tensor]]]]] = {
-    DENSE: (named_backend, _judge_dense), SPARSE: (named_sparse_backend, _judge_sparse)}

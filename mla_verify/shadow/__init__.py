@@ -4,7 +4,7 @@
 the contract checks made before a call, the library entry points it wraps, the reading of a call as a problem,
 the judging of a call, the reproducers it keeps, and its tally.
 
-May import: core, problems, backends, judge, run, records. (tests/test_imports.py holds this rule.)
+May import: core, problems, backends, judge, kinds, run, records. (tests/test_imports.py holds this rule.)
 """
 from .session import (
     ShadowError,

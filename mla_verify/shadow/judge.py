@@ -1,12 +1,10 @@
 """Shadow mode's judgement of one live call: its arguments before the kernel runs (``precheck``), its result
 after (``judge``), with the suite's own reference, tolerance model and diagnosis -- exactly what a drawn case
-gets from the harness (the reference precision per device included), applied to the engine's own tensors.
-A sparse call is judged as ``mla-verify check`` judges a sparse case: the float64 sparse reference and
-judge/sparse_judge.py's verdict and diagnosis.
+gets from the harness (the reference precision per device included), applied to the engine's own tensors --
+a dense call and a sparse one alike, each by its problem kind (mla_verify/kinds).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,15 +12,11 @@ import torch
 
 from ..core.errors import ProblemError
 from ..core.tracebacks import exception_line
-from ..judge.compare import ErrorStats, baseline_result, compare
-from ..judge.diagnose import diagnose_safely
-from ..judge.sparse_judge import diagnose_sparse, judge_sparse
-from ..problems.generate import dtype_name
+from ..judge.compare import ErrorStats
+from ..kinds import kind_of
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 from ..problems.sparse import SparseDecodeProblem
-from ..problems.sparse_reference import sparse_reference
-from ..run.harness import judge_reference
 from .contract import (
     ERROR,
     Finding,
@@ -96,32 +90,19 @@ def judge(call: LiveCall, problem: DecodeProblem | SparseDecodeProblem | None, r
     verdict = Judgement(findings=found, out=out, lse=lse)
     if problem is None or call.unchecked or out is None:
         return verdict
-    if isinstance(problem, SparseDecodeProblem):
-        natural = natural_lse(lse, call.contract.lse_base if call.return_lse else None)
-        verdict.failures = judge_sparse(problem, out, natural, sparse_reference(problem))
-        verdict.compared = True
-        return verdict
-    ref = judge_reference(problem)
-    baseline = baseline_result(problem, dtype_name(problem))  # its LSE sets the LSE allowance, as in check
     base = call.contract.lse_base if call.return_lse else None
-    verdict.stats, verdict.failures = compare(out, lse if base else None, ref, baseline, dtype_name(problem), base)
+    verdict.stats, verdict.failures = kind_of(problem).judge_output(out=out, lse=lse if base else None,
+                                                                    problem=problem, lse_base=base)
     verdict.compared = True
     return verdict
 
 
-def natural_lse(lse: torch.Tensor | None, base: float | None) -> torch.Tensor | None:
-    """An LSE in base ``base`` in natural-log units (None when its base is not known)."""
-    return None if lse is None or base is None else lse * math.log(base)
-
-
 def explain(problem: DecodeProblem | SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
             lse_base: float | None) -> list[str]:
-    """The diagnosis replay gives a mismatching output (the LSE only where its base is known): diagnose.py's
-    explanations, else localize.py's "where" lines (sparse_judge.py's for a sparse call). Without a re-run of
-    the live kernel, a misreading seen only through NaN is not named and a NaN's cause is not told apart."""
-    if isinstance(problem, SparseDecodeProblem):
-        return diagnose_sparse(problem, out, natural_lse(lse, lse_base))
+    """The diagnosis replay gives a mismatching output (the LSE only where its base is known): the kind's
+    catalogue's explanations, else where it is wrong. Without a re-run of the live kernel, a misreading seen
+    only through NaN is not named and a NaN's cause is not told apart."""
     if tuple(out.shape) != problem.out_shape:
         return []
     use_lse = lse if lse_base is not None and lse is not None and tuple(lse.shape) == problem.out_shape[:3] else None
-    return diagnose_safely(problem, out, use_lse, lse_base or 2.0)
+    return kind_of(problem).diagnose(problem, out, use_lse, lse_base or 2.0)

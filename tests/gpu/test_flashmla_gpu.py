@@ -29,9 +29,10 @@ from test_flashinfer_gpu import MIN_PASS, RECORD_DIR, _cuda, _runnable, acceptan
 from mla_verify.core.dims import R1_SOFTMAX_SCALE
 from mla_verify.core.platform import platform_info
 from mla_verify.judge.compare import baseline_result, compare
+from mla_verify.kinds.dense import DENSE_KIND
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
-from mla_verify.run.harness import judge_reference, run_case
+from mla_verify.run.harness import run_case
 from mla_verify.shadow import ShadowError, shadow
 
 pytestmark = pytest.mark.gpu
@@ -98,7 +99,7 @@ def _decode(flash_mla, spec: ProblemSpec, meta, device: torch.device):
 
 
 def _judged(p, out, lse) -> list[str]:
-    return compare(out, lse.transpose(1, 2), judge_reference(p), baseline_result(p, "bf16"), "bf16", math.e)[1]
+    return compare(out, lse.transpose(1, 2), DENSE_KIND.reference(p), baseline_result(p, "bf16"), "bf16", math.e)[1]
 
 
 def test_what_the_wheel_does_with_a_stale_schedule() -> None:

@@ -4,23 +4,24 @@ Marked ``gpu``; each test skips with its backend's own reason where it cannot ru
 without the wheel, "needs SM90 ..." elsewhere, FlashInfer missing). FlashMLA's grid crosses every format SM90
 runs (V32, V32_NO_ROPE, V4) and scale convention with the head counts it pads (1, 64, 100 and 128), one and two
 query tokens, topk 64 and 2048, -1 at the front, duplicates, sinks and (V4) topk_length. fa3-as-sparse runs the
-bf16 and V32 caches. Then each backend's premerge run must pass.
+bf16 and V32 caches. Then each backend's premerge run must pass -- the premerge every kind gets (corner cases,
+drawn cases, the tolerance model with its baseline, poisoned output, repeatability, metamorphic relations).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mla_verify.backends import sparse_backends
-from mla_verify.problems.sparse import SparseSpec
-from mla_verify.run.sparse_case import run_sparse_case
-from mla_verify.run.sparse_check import verify_sparse
+from mla_verify.backends import get_backend
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseSpec
+from mla_verify.run.engine import verify
+from mla_verify.run.harness import run_case
 
 pytestmark = pytest.mark.gpu
 
 
 def _runnable(name: str):
-    backend = sparse_backends()[name]
+    backend = get_backend(name)
     reason = backend.unavailable_reason(torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"{name}: {reason}")
@@ -49,7 +50,7 @@ FLASHMLA_FORMATS = (("V32", "pow2"), ("V32", "amax"), ("V32_NO_ROPE", "pow2"), (
 def test_flashmla_sparse_grid(heads: int, q_len: int) -> None:
     backend = _runnable("flashmla-sparse")
     for spec in _grid(FLASHMLA_FORMATS, heads, q_len):
-        case = run_sparse_case(backend, spec, "cuda")
+        case = run_case(backend, spec, SPARSE_LAYOUT, "cuda")
         assert case.verdict == "pass", f"{case.describe()}: {case.failures} {case.diagnosis}"
 
 
@@ -58,14 +59,14 @@ def test_flashmla_sparse_grid(heads: int, q_len: int) -> None:
 def test_fa3_sparse_grid(heads: int, q_len: int) -> None:
     backend = _runnable("fa3-sparse")
     for spec in _grid((("bf16", "pow2"), ("V32", "amax")), heads, q_len):
-        case = run_sparse_case(backend, SparseSpec(**{**spec.to_json(), "sink": "none", "topk_lengths": None}),
-                               "cuda")
+        case = run_case(backend, SparseSpec(**{**spec.to_json(), "sink": "none", "topk_lengths": None}),
+                        SPARSE_LAYOUT, "cuda")
         assert case.verdict == "pass", f"{case.describe()}: {case.failures} {case.diagnosis}"
 
 
 @pytest.mark.parametrize("name", ["flashmla-sparse", "fa3-sparse"])
 def test_sparse_backend_passes_premerge(name: str) -> None:
-    result = verify_sparse(_runnable(name), "cuda", "premerge")
+    result = verify(_runnable(name), "cuda", "premerge")
     assert result.verdict == "pass", result.failure and (result.failure.describe(), result.failure.failures,
                                                          result.failure.diagnosis)
     assert sum(c.verdict == "pass" for c in result.cases) >= 40  # corner cases and drawn ones ran, not skipped
