@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_verify.core.errors import ProblemError
-from mla_verify.problems.packed import FORMATS, FP8, dequantize, kernel_view, quantize, tile_scales
+from mla_verify.problems.packed import FORMATS, FP8, byte_rows, dequantize, kernel_view, quantize, tile_scales
 
 FP8_HALF_ULP = 2.0 ** -4  # e4m3 keeps 3 mantissa bits: rounding moves a value by at most 2^-4 of itself
 
@@ -82,3 +82,22 @@ def test_sm90_dequant_rounds_the_scale_to_bf16():
 def test_v4_takes_power_of_two_scales_only():
     with pytest.raises(ProblemError, match="ue8m0"):
         quantize(_cache("V4"), FORMATS["V4"], "amax")
+
+
+@pytest.mark.parametrize("fmt", ["V32", "V32_NO_ROPE", "V4"])
+def test_finite_poison_repacks_only_the_unlisted_rows(fmt: str) -> None:
+    """The sparse diagnosis re-runs a kernel with finite values where the cache held NaN: the packed bytes of the
+    unlisted rows (V4: their data and scale rows) are packed anew, every listed row's bytes are kept."""
+    from mla_verify.judge.sparse_catalog import finite_poison
+    from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
+
+    p = build_sparse_problem(SparseSpec(batch=1, num_heads=2, topk=64, page_size=64, used_pages=2, extra_pages=1,
+                                        fmt=fmt, invalid=0.3, seed=4))
+    q = finite_poison(p)
+    assert q is not None and not bool(q.kv_cache.isnan().any())
+    listed = ~p.kv_cache.isnan().any(-1)  # [P, page]
+    assert torch.equal(q.kv_cache[listed], p.kv_cache[listed])
+    assert torch.equal(dequantize(q.packed, FORMATS[fmt], 64, "sm90"), q.kv_cache)
+    owner = byte_rows(FORMATS[fmt], 64)
+    kept = (owner >= 0) & listed[:, owner.clamp_min(0)]
+    assert torch.equal(q.packed[kept], p.packed[kept]) and not torch.equal(q.packed, p.packed)

@@ -94,8 +94,10 @@ def test_a_correct_sparse_kernel_is_compared_and_quiet(flash_mla, fmt: str) -> N
 
 
 # the whole pool is not copied (only the pages read), so reading an index as a page id reads pages the shadow does
-# not hold: that mutant is reported as a mismatch, but its diagnosis needs the whole pool (tests/test_sparse_*)
-NAMED = sorted(set(SPARSE_MUTANTS) - {"indices_as_page_ids"})
+# not hold: that mutant is reported as a mismatch, but its diagnosis needs the whole pool (tests/test_sparse_*);
+# a kernel seen wrong only through NaN (empty rows) is named only where a re-run of the kernel confirms it, which a
+# live call has not (judge/explains.py): as a dense call's, its diagnosis names nothing rather than guess
+NAMED = sorted(set(SPARSE_MUTANTS) - {"indices_as_page_ids", "empty_row_nan"})
 
 
 @pytest.mark.parametrize("name", sorted(SPARSE_MUTANTS))
@@ -112,16 +114,18 @@ def test_a_sparse_mutant_is_reported_at_its_call_site_and_named(flash_mla, name:
     assert "  call: sparse " in message and "reproducer not kept: a live sparse call" in message
     if name in NAMED:
         assert f"[{m.diagnosis}] (" in message, message
+    else:
+        assert "diagnosis: none of the known misreadings explains the output" in message, message
 
 
-def test_an_unmasked_minus1_is_named_though_the_pools_last_page_is_not_listed(flash_mla) -> None:
-    # seed 1 leaves the pool's last page unlisted (NaN): the mutant reads NaN there, and the diagnosis can say why
-    # only if the shadow copied that page too
+def test_an_unmasked_minus1_reading_an_unlisted_last_page_is_reported_and_not_misnamed(flash_mla) -> None:
+    # seed 1 leaves the pool's last page unlisted (NaN): the mutant reads NaN there. The shadow copies that page
+    # too, so the reference sees what the kernel read; a match through NaN alone is not named without a re-run
     m = SPARSE_MUTANTS["minus1_unmasked"]
     p = build_sparse_problem(dataclasses.replace(m.trigger, extra_pages=4, seed=1))
     assert bool(p.kv_cache[-1, -1].isnan().all())
     module = flash_mla(m.faults, m.name)
-    with pytest.raises(ShadowError, match=r"\[minus1_read\] \("), session():
+    with pytest.raises(ShadowError, match="none of the known misreadings explains the output"), session():
         sparse_call(module, p, softmax_scale=p.softmax_scale)
 
 

@@ -41,13 +41,7 @@ def test_the_trigger_fails_and_the_diagnosis_names_the_mutant(name):
     assert named(case.diagnosis) == (False, {m.diagnosis}), case.diagnosis
 
 
-# the two the catalogue cannot name yet on their minimal case: through NaN alone (empty rows), or a kernel that
-# raised on every case small enough (an index read as a page id runs past the pool)
-NOT_YET = {"empty_row_nan", "indices_as_page_ids"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True)) if n in NOT_YET else n
-                                  for n in sorted(SPARSE_MUTANTS)])
+@pytest.mark.parametrize("name", sorted(SPARSE_MUTANTS))
 def test_premerge_kills_mutant_at_one_request_and_names_it(name):
     m = SPARSE_MUTANTS[name]
     result = verify(stand_in_backend(m.faults, name), "cpu", "premerge", max_examples=DRAWN)

@@ -5,24 +5,13 @@ Each catalog entry recomputes the reference under one misreading -- mostly by ha
 pool re-viewed with another page size, ...) so the reference stays the single source of the arithmetic --
 and the entries whose result matches the kernel's output are reported, best first.
 
-An entry *explains* the output when
-- its relative L2 error against the kernel output is below ``OUT_TOL`` (2e-2 for bf16: a correct bf16
-  kernel sits near 2e-3 against an exact reference -- bf16 output rounding alone is ~1e-3 -- so 10x leaves
-  room for any sane accumulation order, while every misreading in the catalog moves the output by far more
-  on the problems the suite draws), and
-- it is at least ``TRUTH_MARGIN`` times closer than the correct reference is (so a kernel that is merely a
-  little inaccurate, or right, is never "explained" by a misreading that happens to be near the truth).
-Non-finite values must sit at the same places in both; only the finite values enter the L2 norms. A match
-that leans on NaN where the reference is finite proves little (a kernel and a misreading that both read some
-NaN-poisoned slot agree on the NaN, whatever slots each reads; all-NaN output "matches" every such
-misreading), so such a candidate is named only once the kernel, re-run, confirms it (``_confirmed``):
-with finite values in every poisoned slot (explains.finite_poison) the kernel matches the candidate
-recomputed on that problem, on some finite values; or the kernel's only fault is the poison it reads -- re-run
-on the same cache it makes the same NaN, and with finite poison it is right -- and the candidate reads exactly
-those slots (its NaN sit where the kernel's do). Without a re-run such a candidate is not named.
-When several candidates explain the output, the kernel is re-run on nearby problems (each sequence a token
-or two shorter, where the misread lengths part) and the candidates that miss there are dropped; those still
-standing together are reported as candidates this case cannot tell apart (``CANDIDATES``).
+An entry *explains* the output by explains.py's rule, the one every kind's catalogue is held to: within
+``OUT_TOL`` (2e-2 for bf16: a correct bf16 kernel sits near 2e-3 against an exact reference -- bf16 output
+rounding alone is ~1e-3 -- so 10x leaves room for any sane accumulation order, while every misreading in the
+catalog moves the output by far more on the problems the suite draws) and ``TRUTH_MARGIN`` times closer than the
+correct reference; a match through NaN only once a re-run of the kernel confirms it; several at once told apart
+by re-running the kernel with each sequence a token or two shorter (where the misread lengths part), else named
+as candidates this case cannot tell apart (``CANDIDATES``).
 The LSE entries use compare.py's LSE tolerance (a base mix-up misses it by a factor ~1.44).
 An fp8 problem is recomputed in bf16 (``exact_bf16``: the same values, and the operations fp8 lacks on
 CUDA, such as ``roll``, work).
@@ -33,8 +22,8 @@ is wrong (localize.py); any error inside becomes one "diagnosis failed: ..." lin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -46,27 +35,28 @@ from ..problems.layouts import padded_width
 from ..problems.problem import FP8, DecodeProblem
 from ..problems.reference import ReferenceResult, reference_decode
 from .compare import judged_rows, lse_allowed
-from .explains import OUT_TOL, TRUTH_MARGIN, WHERE, Rerun, exact_bf16, finite_poison
+from .explains import (
+    CANDIDATES,
+    FAILED,
+    OUT_METRIC,
+    OUT_TOL,
+    SKIPPED,
+    WHERE,
+    Explanation,
+    Rerun,
+    exact_bf16,
+    explaining,
+    explanation_lines,
+    finite_poison,
+    relative_error,
+)
+
+__all__ = ["CANDIDATES", "CATALOG", "Explanation", "LSE_BASES", "OUT_METRIC", "WHERE", "diagnose", "diagnose_safely",
+           "explained", "relative_error", "says_more"]
 
 PAGE_SIZES = (16, 32, 64, 128)  # page sizes a kernel may assume instead of reading the cache shape
 R1_MSCALE_SQ = yarn_mscale(R1_YARN_FACTOR) ** 2
-OUT_METRIC = "rel L2 of out"
-FAILED, SKIPPED = "diagnosis failed: ", "diagnosis skipped: "  # an error inside the diagnosis; no memory for it
-CANDIDATES = "candidates: "  # starts the line saying the case cannot tell the named misreadings apart
 SHORTER = (1, 2)  # tokens cut from every sequence to tell candidates apart (full-page read vs one token more)
-
-
-@dataclass(frozen=True)
-class Explanation:
-    name: str  # catalog entry
-    description: str  # what the kernel does, in words
-    error: float  # kernel vs this misreading (rel L2 of out, or max |lse error| in natural-log units)
-    truth_error: float  # kernel vs the correct reference, same measure
-    metric: str
-
-    def __str__(self) -> str:
-        return (f"{self.description} [{self.name}] ({self.metric}: {self.error:.2g} under this misreading, "
-                f"{self.truth_error:.2g} against the reference)")
 
 
 Recompute = Callable[[DecodeProblem, ReferenceResult], "torch.Tensor | None"]  # None: not applicable here
@@ -192,16 +182,6 @@ CATALOG: dict[str, tuple[str, Recompute]] = {
 LSE_BASES = {"lse_natural": (math.e, "returns the LSE in natural log"), "lse_base2": (2.0, "returns the LSE in base 2")}
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want|| over finite values; inf if the non-finite values are not at the same places."""
-    g, w = got.detach().to(torch.float64), want.detach().to(torch.float64).to(got.device)
-    finite = torch.isfinite(g)
-    if g.shape != w.shape or not torch.equal(finite, torch.isfinite(w)):
-        return math.inf
-    diff = float((g[finite] - w[finite]).norm())
-    return diff / max(float(w[finite].norm()), 1e-30)
-
-
 def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch.Tensor | None = None,
              lse_base: float = 2.0, truth: ReferenceResult | None = None,
              rerun: Rerun | None = None) -> list[Explanation]:
@@ -214,8 +194,6 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
     tol = OUT_TOL["fp8" if problem.query.dtype == FP8 else "other"]
     problem = exact_bf16(problem)
     truth = truth if truth is not None else reference_decode(problem, precision=torch.float32)
-    found: list[Explanation] = []
-    truth_error = relative_error(judged_rows(kernel_out, truth), judged_rows(truth.out, truth))
     names = list(CATALOG)
     if problem.num_heads > 2:
         # Screen on heads {0, H-1} first: every misreading acts on each head alike (the set is symmetric, so
@@ -224,12 +202,7 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
         sub = replace(problem, query=problem.query[:, :, heads], dims=problem.dims.with_heads(2))
         sub_truth = ReferenceResult(truth.out[:, :, heads], truth.lse[:, :, heads], truth.valid)
         names = [n for n in names if _error(n, sub, kernel_out[:, :, heads], sub_truth) < tol]
-    confirm = _Confirm(problem, kernel_out, truth, rerun, tol) if _nan_beyond(kernel_out, truth) else None
-    for name in names:
-        error = _error(name, problem, kernel_out, truth)
-        if error < tol and error * TRUTH_MARGIN < truth_error and (confirm is None or confirm(name)):
-            found.append(Explanation(name, CATALOG[name][0], error, truth_error, OUT_METRIC))
-    found = _told_apart(problem, found, rerun, tol)
+    found = explaining(DENSE_CATALOGUE, problem, kernel_out, truth, names, rerun, tol)
     if kernel_lse is not None:
         natural = kernel_lse.detach().to(torch.float64) * math.log(lse_base)
         truth_lse_error = _lse_error(natural, truth.lse, truth)
@@ -255,13 +228,8 @@ def diagnose_safely(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor
     try:
         truth = truth if truth is not None else reference_decode(exact_bf16(problem), precision=torch.float32)
         found = diagnose(problem, out, lse, lse_base, truth, rerun)
-        named = [e.name for e in found if e.metric == OUT_METRIC]
-        if len(named) > 1:  # _told_apart could not part them: say so, ahead of the candidates themselves
-            return [CANDIDATES + f"this case cannot tell {len(named)} misreadings apart ({', '.join(named)}); "
-                    "each explains the output equally, on this case and on its sequences a token or two "
-                    "shorter"] + [str(e) for e in found]
         if found:
-            return [str(e) for e in found]
+            return explanation_lines(DENSE_CATALOGUE, found)
         return localize(problem, out, truth, lse, lse_base, rerun)
     except Exception as exc:  # noqa: BLE001 - diagnosis is advice: it must never turn a verdict into a crash
         if is_out_of_memory(exc):
@@ -288,52 +256,6 @@ def says_more(lines: list[str], than: list[str]) -> bool:
     return weight(lines) > weight(than)
 
 
-def _nan_beyond(out: torch.Tensor, truth: ReferenceResult) -> bool:
-    """Whether ``out`` is non-finite in a judged element where the reference is finite."""
-    got, want = judged_rows(out, truth), judged_rows(truth.out, truth)
-    return bool((~torch.isfinite(got) & torch.isfinite(want).to(got.device)).any())
-
-
-class _Confirm:
-    """Whether a candidate that matched ``out`` through NaN is confirmed by re-running the kernel (see the
-    module docstring); each re-run happens once, on the first candidate that needs it."""
-
-    def __init__(self, p: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, rerun: Rerun | None,
-                 tol: float):
-        self.p, self.out, self.truth, self.rerun, self.tol = p, out, truth, rerun, tol
-        self.poisoned = finite_poison(p)
-        self.runs: dict[str, torch.Tensor | None] = {}
-
-    def _run(self, which: str) -> torch.Tensor | None:
-        if which not in self.runs:
-            p = self.poisoned if which == "finite" else self.p
-            self.runs[which] = None if self.rerun is None or p is None else self.rerun(p)
-        return self.runs[which]
-
-    def __call__(self, name: str) -> bool:
-        if self.poisoned is None:  # the cache holds no NaN: the NaN are the kernel's own, the candidate makes
-            return bool(torch.isfinite(self.out).any())  # them at the same places, and the rest matched
-        if self.rerun is None:
-            return False
-        finite = self._run("finite")
-        if _holds(name, self.poisoned, finite, self.truth, self.tol):
-            return True
-        same = self._run("same")  # the NaN come from the cache (not from the layout) when they come again
-        return (finite is not None and same is not None and tuple(same.shape) == tuple(self.out.shape)
-                and torch.equal(torch.isfinite(same), torch.isfinite(self.out).to(same.device))
-                and relative_error(judged_rows(finite, self.truth), judged_rows(self.truth.out, self.truth))
-                < self.tol)
-
-
-def _holds(name: str, p: DecodeProblem, out: torch.Tensor | None, truth: ReferenceResult, tol: float) -> bool:
-    """Whether catalog entry ``name`` explains the kernel's output ``out`` on ``p`` (whose reference is
-    ``truth``) by the bar of ``diagnose``, on some finite values; False without an output."""
-    if out is None or tuple(out.shape) != tuple(truth.out.shape) or not bool(torch.isfinite(out).any()):
-        return False
-    error = _error(name, exact_bf16(p), out, truth)
-    return error < tol and error * TRUTH_MARGIN < relative_error(judged_rows(out, truth), judged_rows(truth.out, truth))
-
-
 def _shorter(p: DecodeProblem, cut: int) -> DecodeProblem | None:
     """``p`` with every sequence ``cut`` tokens shorter (finite values in its poisoned slots), or None where a
     sequence would be shorter than its query tokens."""
@@ -346,25 +268,6 @@ def _shorter(p: DecodeProblem, cut: int) -> DecodeProblem | None:
     except ProblemError:
         return None
     return finite_poison(moved) or moved
-
-
-def _told_apart(p: DecodeProblem, found: list[Explanation], rerun: Rerun | None,
-                tol: float) -> list[Explanation]:
-    """``found`` less the output explanations that miss the kernel's output on a shorter problem where another
-    one still holds; unchanged when no re-run parts them."""
-    named = [e.name for e in found if e.metric == OUT_METRIC]
-    if len(named) < 2 or rerun is None:
-        return found
-    for cut in SHORTER:
-        q = _shorter(p, cut)
-        out = None if q is None else rerun(q)
-        if q is None or out is None:
-            continue
-        truth = reference_decode(exact_bf16(q), precision=torch.float32)
-        holding = [n for n in named if _holds(n, q, out, truth, tol)]
-        if holding and len(holding) < len(named):
-            named = holding
-    return [e for e in found if e.metric != OUT_METRIC or e.name in named]
 
 
 def _error(name: str, problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult) -> float:
@@ -380,3 +283,30 @@ def _lse_error(natural: torch.Tensor, want: torch.Tensor, truth: ReferenceResult
     want = want.to(torch.float64).to(natural.device)
     ratio = judged_rows((natural - want).abs() / lse_allowed(want, 0.0), truth)
     return float(torch.nan_to_num(ratio, nan=math.inf).max()) if ratio.numel() else 0.0
+
+
+class _DenseCatalogue:
+    """CATALOG as explains.py's rule takes it (explains.Catalogue)."""
+
+    nearby_words = " and on its sequences a token or two shorter"
+
+    def description(self, name: str) -> str:
+        return CATALOG[name][0]
+
+    def error(self, name: str, problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult) -> float:
+        return _error(name, exact_bf16(problem), out, truth)
+
+    def finite_poison(self, problem: DecodeProblem) -> DecodeProblem | None:
+        return finite_poison(problem)
+
+    def nearby(self, problem: DecodeProblem) -> Iterator[DecodeProblem]:
+        for cut in SHORTER:
+            q = _shorter(problem, cut)
+            if q is not None:
+                yield q
+
+    def reference(self, problem: DecodeProblem) -> ReferenceResult:
+        return reference_decode(exact_bf16(problem), precision=torch.float32)
+
+
+DENSE_CATALOGUE = _DenseCatalogue()

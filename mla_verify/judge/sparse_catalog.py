@@ -3,44 +3,58 @@
 A sparse case's verdict is the one every kind gets (judge/compare.py's tolerance model against the sparse
 reference, with the sparse baseline). On failure ``diagnose_sparse`` asks this catalogue: each entry recomputes
 the reference under one misreading of the sparse contract -- mostly a transformed problem handed to
-``sparse_reference``, so the reference stays the one source of the arithmetic -- and an entry that explains the
-kernel's result is named by the dense diagnosis's bar (explains.py: within ``OUT_TOL`` with non-finite values at
-the same places, and ``TRUTH_MARGIN`` times closer than the truth), in the dense diagnosis's words
-(diagnose.py's ``Explanation``). The sink-in-LSE entry is judged on the LSE.
+``sparse_reference``, so the reference stays the one source of the arithmetic -- and an entry is named by the rule
+every kind's catalogue is held to (explains.py: within ``OUT_TOL`` and ``TRUTH_MARGIN`` times closer than the
+truth; a match through NaN only once a re-run of the kernel on the problem with finite values in its unlisted
+slots confirms it -- the packed bytes of those slots re-packed too; several at once only as candidates this
+case cannot tell apart), in the dense diagnosis's words. An index read as a page id may point past the pool:
+the recomputation reads NaN there, memory the kernel was not given. The sink-in-LSE entry is judged on the LSE.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ..core.memory import is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
-from ..problems.packed import FORMATS, FP8, dequantize, next_tile, truncated_to_pow2
+from ..problems.packed import FORMATS, FP8, byte_rows, dequantize, next_tile, quantize, truncated_to_pow2
 from ..problems.reference import ReferenceResult
 from ..problems.sparse import SparseDecodeProblem
 from ..problems.sparse_reference import sparse_reference
 from .compare import lse_allowed
-from .diagnose import FAILED, OUT_METRIC, SKIPPED, Explanation, relative_error
-from .explains import OUT_TOL, TRUTH_MARGIN, Rerun
+from .explains import (
+    FAILED,
+    OUT_METRIC,
+    OUT_TOL,
+    SKIPPED,
+    Explanation,
+    Rerun,
+    explaining,
+    explanation_lines,
+    relative_error,
+)
 
-Recompute = Callable[[SparseDecodeProblem, ReferenceResult], "ReferenceResult | None"]
+Recompute = Callable[[SparseDecodeProblem, ReferenceResult], "torch.Tensor | None"]  # None: not applicable here
 
 
 def _problem(transform: Callable[[SparseDecodeProblem], SparseDecodeProblem | None]) -> Recompute:
-    def recompute(p: SparseDecodeProblem, truth: ReferenceResult) -> ReferenceResult | None:
+    def recompute(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
         q = transform(p)
-        return None if q is None else sparse_reference(q)
+        return None if q is None else sparse_reference(q).out
     return recompute
 
 
 def _as_pages(p: SparseDecodeProblem) -> SparseDecodeProblem | None:
-    slots = torch.where(p.indices >= 0, p.indices.long() * p.page_size, -1)
-    if int(slots.max()) >= p.slots:  # the kernel would read outside the pool: nothing to recompute
+    """Slot = index * page_size; a slot past the pool reads the NaN row appended to it (one token per page)."""
+    if p.page_size == 1:  # the misreading is no misreading here
         return None
-    return dataclasses.replace(p, indices=slots.to(torch.int32))
+    slots = torch.where(p.indices >= 0, p.indices.long() * p.page_size, -1).clamp(max=p.slots)
+    rows = p.kv_cache.reshape(p.slots, 1, -1)
+    beyond = torch.full_like(rows[:1], float("nan"))
+    return dataclasses.replace(p, kv_cache=torch.cat([rows, beyond]), indices=slots.to(torch.int32))
 
 
 def _minus1_read(p: SparseDecodeProblem) -> SparseDecodeProblem:
@@ -66,16 +80,16 @@ def _rope_fp8(p: SparseDecodeProblem) -> SparseDecodeProblem | None:
     return dataclasses.replace(p, kv_cache=cache)
 
 
-def _v_rope(p: SparseDecodeProblem, truth: ReferenceResult) -> ReferenceResult | None:
+def _v_rope(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
     shift = p.kv_cache.shape[-1] - p.d_v
-    return None if shift == 0 else sparse_reference(p, values_from=shift)
+    return None if shift == 0 else sparse_reference(p, values_from=shift).out
 
 
-def _empty_nan(p: SparseDecodeProblem, truth: ReferenceResult) -> ReferenceResult | None:
+def _empty_nan(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
     empty = truth.lse == math.inf
     if not bool(empty.any()):
         return None
-    return ReferenceResult(truth.out.masked_fill(empty[..., None], float("nan")), truth.lse)
+    return truth.out.masked_fill(empty[..., None], float("nan"))
 
 
 # name -> (what it says, recompute); out is compared as bf16 (OUT_TOL["other"]): the cache holds bf16 values
@@ -95,10 +109,11 @@ SINK_IN_LSE = "sink_in_lse"  # judged on the LSE: log(exp(lse) + exp(sink)) retu
 def diagnose_sparse(problem: SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
                     lse_base: float = math.e, truth: ReferenceResult | None = None,
                     rerun: Rerun | None = None) -> list[str]:
-    """Each catalog entry that explains the result (``lse`` in ``lse_base``), best first, as diagnose.py words
-    an ``Explanation``; never raises (but KeyboardInterrupt): an error inside is one "diagnosis failed" line."""
+    """The catalog's explanations of a failing result (``lse`` in ``lse_base``) as explains.py words them;
+    ``rerun`` runs the kernel on another problem (to confirm a match through NaN). Never raises (but
+    KeyboardInterrupt): an error inside is one "diagnosis failed" line, the verdict stands without it."""
     try:
-        return [str(e) for e in explanations(problem, out, lse, lse_base, truth)]
+        return explanation_lines(SPARSE_CATALOGUE, explanations(problem, out, lse, lse_base, truth, rerun))
     except Exception as exc:  # noqa: BLE001 - diagnosis is advice: it must never turn a verdict into a crash
         if is_out_of_memory(exc):
             release_cached(problem.query.device)
@@ -107,20 +122,13 @@ def diagnose_sparse(problem: SparseDecodeProblem, out: torch.Tensor, lse: torch.
 
 
 def explanations(problem: SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None,
-                 lse_base: float = math.e, truth: ReferenceResult | None = None) -> list[Explanation]:
+                 lse_base: float = math.e, truth: ReferenceResult | None = None,
+                 rerun: Rerun | None = None) -> list[Explanation]:
     """The catalog entries that explain ``out`` [B, q_len, H, 512] and ``lse`` [B, q_len, H] (in ``lse_base``)
-    while the correct reference does not; best first."""
+    while the correct reference does not; best first. Out is compared as bf16 (``OUT_TOL["other"]``): the cache
+    holds bf16 values."""
     truth = truth or sparse_reference(problem)
-    o = out.detach().double().cpu()
-    truth_err = relative_error(o, truth.out)
-    found = []
-    for name, (says, recompute) in CATALOG.items():
-        candidate = recompute(problem, truth)
-        if candidate is None:
-            continue
-        err = relative_error(o, candidate.out)
-        if err < OUT_TOL["other"] and (truth_err == math.inf or truth_err >= TRUTH_MARGIN * max(err, 1e-12)):
-            found.append(Explanation(name, says, err, truth_err, OUT_METRIC))
+    found = explaining(SPARSE_CATALOGUE, problem, out.detach(), truth, list(CATALOG), rerun, OUT_TOL["other"])
     if lse is not None and problem.attn_sink is not None:
         natural = lse.detach().double().cpu() * math.log(lse_base)
         truth_error = _lse_error(natural, truth.lse.double().cpu())
@@ -132,6 +140,50 @@ def explanations(problem: SparseDecodeProblem, out: torch.Tensor, lse: torch.Ten
                 found.append(Explanation(SINK_IN_LSE, "adds the attention sink into the returned LSE", error,
                                          truth_error, "LSE error / tolerance"))
     return sorted(found, key=lambda e: (e.metric != OUT_METRIC, e.error))
+
+
+class _SparseCatalogue:
+    """CATALOG as explains.py's rule takes it (explains.Catalogue): no nearby problems."""
+
+    nearby_words = ""
+
+    def description(self, name: str) -> str:
+        return CATALOG[name][0]
+
+    def error(self, name: str, problem: SparseDecodeProblem, out: torch.Tensor, truth: ReferenceResult) -> float:
+        candidate = CATALOG[name][1](problem, truth)
+        return math.inf if candidate is None else relative_error(out, candidate)
+
+    def finite_poison(self, problem: SparseDecodeProblem) -> SparseDecodeProblem | None:
+        return finite_poison(problem)
+
+    def nearby(self, problem: SparseDecodeProblem) -> Iterator[SparseDecodeProblem]:
+        return iter(())
+
+    def reference(self, problem: SparseDecodeProblem) -> ReferenceResult:
+        return sparse_reference(problem)
+
+
+SPARSE_CATALOGUE = _SparseCatalogue()
+
+
+def finite_poison(p: SparseDecodeProblem) -> SparseDecodeProblem | None:
+    """``p`` with finite values (drawn like the cache's own) in every slot no index lists, which hold NaN; for a
+    packed cache those slots' bytes are packed anew (power-of-two scales), the listed ones kept. None if no slot
+    holds NaN."""
+    holes = torch.isnan(p.kv_cache)
+    if not bool(holes.any()):
+        return None
+    gen = torch.Generator(device=p.kv_cache.device).manual_seed(0)
+    fill = torch.randn(p.kv_cache.shape, generator=gen, device=p.kv_cache.device).to(p.kv_cache.dtype)
+    cache = torch.where(holes, fill, p.kv_cache)
+    if p.packed is None:
+        return dataclasses.replace(p, kv_cache=cache)
+    fmt, page, width = FORMATS[p.fmt], p.page_size, p.packed.shape[1]  # a live call's V4 pages: unpadded
+    owner = byte_rows(fmt, page)[:width].to(p.packed.device)
+    refill = holes.any(-1)[:, owner.clamp_min(0)] & (owner >= 0)  # [P, width]: the bytes of unlisted rows
+    packed = torch.where(refill, quantize(cache, fmt, "pow2")[:, :width], p.packed)
+    return dataclasses.replace(p, kv_cache=dequantize(packed, fmt, page, "sm90"), packed=packed)
 
 
 def _lse_error(natural: torch.Tensor, want: torch.Tensor) -> float:

@@ -92,9 +92,11 @@ class SparseStandIn:
         rows = dequantize(pool, fmt, page, "sm90", f.scales)
         if f.rope_fp8:
             rows[..., fmt.nope:] = rows[..., fmt.nope:].to(FP8).to(torch.bfloat16)
-        flat = rows.reshape(P * page, -1).float()
+        # past its pool a kernel reads memory it was not given: here NaN, the suite's poison for what a kernel must
+        # not read (a GPU kernel reads garbage there, or faults)
+        flat = torch.cat([rows.reshape(P * page, -1).float(), torch.full_like(rows[0, :1].float(), float("nan"))])
         idx = indices.long()
-        slots = idx * page if f.indices_as_pages else idx
+        slots = (idx * page).clamp(max=P * page) if f.indices_as_pages else idx % (P * page)  # -1: the last row
         masked = idx == -1 if f.mask_minus1 else torch.zeros_like(idx, dtype=torch.bool)
         if topk_length is not None and f.use_topk_length:
             masked |= torch.arange(idx.shape[-1]) >= topk_length.long()[:, None, None]

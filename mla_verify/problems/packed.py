@@ -70,6 +70,19 @@ def packed_format(name: str) -> PackedFormat:
     return FORMATS[name]
 
 
+def byte_rows(fmt: PackedFormat, page: int) -> torch.Tensor:
+    """[page_bytes(page)] int64: the token (0 .. page - 1) each byte of a packed page belongs to; -1 for padding."""
+    owner = torch.full((fmt.page_bytes(page),), -1, dtype=torch.long)
+    tokens = torch.arange(page)
+    if fmt.page_level:  # the page's data rows, then its 8-byte scale rows
+        row = fmt.nope + 2 * fmt.rope
+        owner[:page * row] = tokens.repeat_interleave(row)
+        owner[page * row:page * fmt.bytes_per_token] = tokens.repeat_interleave(fmt.bytes_per_token - row)
+    else:
+        owner[:page * fmt.bytes_per_token] = tokens.repeat_interleave(fmt.bytes_per_token)
+    return owner
+
+
 def tile_scales(cache: torch.Tensor, fmt: PackedFormat, convention: str) -> torch.Tensor:
     """[..., tiles] fp32 scales of ``cache`` [..., d_qk] under ``convention``."""
     if convention not in SCALE_CONVENTIONS:
