@@ -72,18 +72,20 @@ def get_backend(name: str) -> Backend:
 
 
 def named_backend(name: str, source: object = None) -> Backend:
-    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` (``MODULE:ATTR``, with the
-    calling convention it was run with: ``kernel_convention``), loaded first from ``source``, where it was loaded
-    from (Backend.source)."""
+    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` (``MODULE:ATTR``), loaded first
+    from ``source``, where it was loaded from and, when it was named, the calling convention it was run with
+    (Backend.source)."""
     from .user_kernel import load_kernel
 
     return load_kernel(name, recorded=source) if ":" in name else get_backend(name)
 
 
-def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None) -> list[Backend]:
-    """The ``--kernel`` callables, else the ``--backend`` names (each once), else every registered backend."""
+def requested_backends(names: Sequence[str] | None, kernels: Sequence[str] | None,
+                       convention: str | None = None) -> list[Backend]:
+    """The ``--kernel`` callables (called by ``convention``, else each one's signature's), else the ``--backend``
+    names (each once), else every registered backend."""
     from .user_kernel import load_kernel
 
     if kernels:
-        return [load_kernel(k) for k in kernels]
+        return [load_kernel(k, convention=convention) for k in kernels]
     return [get_backend(n) for n in dict.fromkeys(names)] if names else list(all_backends().values())

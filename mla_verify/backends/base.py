@@ -77,8 +77,9 @@ class Backend(ABC):
     name: str
     envelope: AnyEnvelope  # an Envelope (dense decode) or a SparseEnvelope (sparse top-k decode): ``kind`` says which
     description: str = ""
-    # a user kernel's file ("file") and the folder its module is imported from ("sys_path"): reproducers
-    # record it, so that replay finds the kernel from any directory (user_kernel.load_kernel)
+    # a user kernel's file ("file"), the folder its module is imported from ("sys_path") and the calling
+    # convention it was named with ("convention"): reproducers record it, so that replay finds the kernel from
+    # any directory and calls it the same way (user_kernel.load_kernel)
     source: dict[str, str] | None = None
     # the batch-order metamorphic check judges by this claim (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE)
     batch_invariance: str = INVARIANT_BITS

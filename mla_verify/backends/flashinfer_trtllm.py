@@ -10,6 +10,7 @@ call has no Python-side architecture check and would go fetch cubins from the ne
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,18 +120,23 @@ def scale_format(problem: SparseDecodeProblem) -> str:
 
 
 class FlashInferSparseBackend(Backend):
-    """FlashInfer's sparse MLA decode: ``trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=topk,
-    backend=fi_backend)`` -- ``"trtllm-gen"`` over a dense bf16 cache, or ``"sparse"`` (SM120/121) over the
-    packed one; LSE asked for in base 2."""
+    """The sparse calling convention of ``trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=topk)``:
+    FlashInfer's (``fi_backend``: ``"trtllm-gen"`` over a dense bf16 cache, or ``"sparse"`` (SM120/121) over the
+    packed one), or a user kernel's (``fn``, ``fi_backend`` None: the packed cache when the problem's format is
+    packed -- its envelope names the formats it reads -- else the dense bf16 one). Query, cache, block tables
+    ``[B, q_len, topk]`` of token slots with -1, seq_lens, ``bmm1_scale`` the softmax scale; ``out`` passed as
+    the layout says; the LSE asked for in base 2, ``[B * q_len, H]`` as Contract 1 returns it."""
 
-    def __init__(self, name: str, envelope: SparseEnvelope, fi_backend: str, description: str):
+    def __init__(self, name: str, envelope: SparseEnvelope, fi_backend: str | None, description: str,
+                 fn: Callable[..., Any] = flashinfer_mla_decode):
         self.name, self.envelope, self.fi_backend, self.description = name, envelope, fi_backend, description
+        self.fn = fn
         if fi_backend == "trtllm-gen":  # a dense bf16 cache whatever the problem's format
             self.widened_formats = tuple(f for f in envelope.formats if f != UNPACKED)
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        return super().unavailable_reason(device) or flashinfer_unavailable()
+        return super().unavailable_reason(device) or (flashinfer_unavailable() if self.fi_backend else None)
 
     def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         p = problem.validate()
@@ -140,8 +146,8 @@ class FlashInferSparseBackend(Backend):
             self._workspaces[device] = make_workspace(device)
         topk = p.indices.shape[-1]
         extra: dict[str, Any] = {}
-        if self.fi_backend == "trtllm-gen":
-            heads = 128 if 64 < H < 128 else H  # trtllm-gen takes no 64 < h_q < 128: padded as engines do
+        if self.fi_backend == "trtllm-gen" or (self.fi_backend is None and p.packed is None):
+            heads = 128 if 64 < H < 128 and self.fi_backend else H  # trtllm-gen: no 64 < h_q < 128, padded
             q = torch.zeros((B, Q, heads, D), dtype=torch.bfloat16, device=device)
             q[:, :, :H] = p.query
             kv = p.kv_cache.to(torch.bfloat16).unsqueeze(1)  # [P, 1, page, D]
@@ -154,19 +160,27 @@ class FlashInferSparseBackend(Backend):
             q, table = p.query, p.indices
             kv = p.packed.view(p.kv_cache.shape[0], 1, p.page_size, fmt.bytes_per_token)
             lens = None if p.topk_length is None else p.topk_length[:, None].expand(B, Q).contiguous()
-            extra["kv_scale_format"] = scale_format(p)
+            if self.fi_backend:
+                extra["kv_scale_format"] = scale_format(p)
+        if self.fi_backend:
+            extra.update(return_lse_base="base2", backend=self.fi_backend)
+        out = torch.empty((B, Q, q.shape[2], p.d_v), dtype=torch.bfloat16, device=device) if layout.pass_out \
+            else None
+        if out is not None:
+            extra["out"] = out
 
         def invoke() -> Any:
-            return flashinfer_mla_decode(q, kv, self._workspaces[device], SPARSE_NOPE, p.d_v, D - p.d_v, table, lens,
-                                         p.slots, sparse_mla_top_k=topk, bmm1_scale=float(p.softmax_scale),
-                                         bmm2_scale=1.0, return_lse=True, return_lse_base="base2",
-                                         backend=self.fi_backend, **extra)
+            return self.fn(q, kv, self._workspaces[device], SPARSE_NOPE, p.d_v, D - p.d_v, table, lens, p.slots,
+                           sparse_mla_top_k=topk, bmm1_scale=float(p.softmax_scale), bmm2_scale=1.0,
+                           return_lse=layout.return_lse, **extra)
 
         def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-            out, lse = result  # out [B, q_len, h_q, 512]; lse [B * q_len, h_q]
-            return out[:, :, :H], split_lse(lse, B, Q)[:, :, :H]
+            if not layout.return_lse:
+                return result[:, :, :H], None
+            o, lse = result  # out [B, q_len, h_q, 512]; lse [B * q_len, h_q]
+            return o[:, :, :H], split_lse(lse, B, Q)[:, :, :H]
 
-        return PreparedCall(invoke, {"query": q, "kv_cache": kv, "block_tables": table}, None, to_canonical)
+        return PreparedCall(invoke, {"query": q, "kv_cache": kv, "block_tables": table}, out, to_canonical)
 
 
 def flashinfer_sparse_backends() -> list[FlashInferSparseBackend]:

@@ -53,15 +53,19 @@ def padded_heads(h: int) -> int:
 
 
 class FlashMLASparseBackend(Backend):
-    """FlashMLA's sparse decode through ``api`` (the installed ``flash_mla`` when None)."""
+    """FlashMLA's sparse decode through ``api`` (the installed ``flash_mla`` when None); ``own_kernel``: ``api``
+    is a kernel of one's own with FlashMLA's sparse convention, which needs no FlashMLA interface of its own."""
 
     def __init__(self, name: str = "flashmla-sparse", api: FlashMLAApi | None = None,
                  envelope: SparseEnvelope = FLASHMLA_SPARSE_ENVELOPE,
-                 description: str = "DeepSeek FlashMLA sparse top-k MLA decode over packed FP8 caches (SM90)"):
+                 description: str = "DeepSeek FlashMLA sparse top-k MLA decode over packed FP8 caches (SM90)",
+                 own_kernel: bool = False):
         self.name, self.api, self.envelope, self.description = name, api, envelope, description
+        self.own_kernel = own_kernel
 
     def unavailable_reason(self, device: torch.device) -> str | None:
-        return flashmla_unavailable(self.api, self.envelope, device) or needs_wheel(self.api, "sparse decode on SM90")
+        return flashmla_unavailable(self.api, self.envelope, device) or \
+            (None if self.own_kernel else needs_wheel(self.api, "sparse decode on SM90"))
 
     def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:
         p = problem.validate()

@@ -1,9 +1,22 @@
-"""``--kernel MODULE:ATTR`` or ``--kernel path/to/file.py:ATTR``: any Contract-1 callable becomes a backend,
-held to trtllm-gen's envelope.
+"""``--kernel MODULE:ATTR`` or ``--kernel path/to/file.py:ATTR``: any callable with one of the calling conventions
+of Contract 1 (docs/contracts.md) becomes a backend, of the problem kind its convention computes:
 
-A kernel may declare another envelope with an attribute holding Envelope field overrides::
+- ``trtllm`` -- FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla``, dense decode, held to trtllm-gen's
+  envelope (``TRTLLM_ENVELOPE``);
+- ``trtllm-sparse`` -- the same function with ``sparse_mla_top_k``: sparse top-k decode, its block tables the
+  ``[B, q_len, topk]`` token slots (``USER_TRTLLM_SPARSE_ENVELOPE``);
+- ``flashmla-sparse`` -- FlashMLA's ``flash_mla_with_kvcache(..., indices=...)``: sparse decode over a packed
+  FP8 cache (``USER_FLASHMLA_SPARSE_ENVELOPE``).
+
+The convention is read from the function's signature (a parameter ``indices``: flashmla-sparse; one named
+``sparse_mla_top_k``: trtllm-sparse; else trtllm) unless named (``--convention``, ``kernel_backend``'s
+``convention``), and recorded where it was named, with where the kernel was loaded from (``Backend.source``),
+so that a worker process or a replay calls it the same way. A kernel may declare another envelope with an
+attribute holding field overrides of its convention's envelope (an ``Envelope``'s, or for sparse conventions a
+``SparseEnvelope``'s -- the packed formats it reads among them)::
 
     my_decode.mla_verify_envelope = {"page_sizes": [16, 64], "devices": ["cpu"], "q_len": [1, 4]}
+    my_sparse_decode.mla_verify_envelope = {"devices": ["cpu"], "formats": ["V32"]}
 
 Lists stand for tuples; ``archs`` and ``dims`` are lists of pairs. Unknown fields or ill-typed values are a
 UsageError (exit 2), never a silent fallback to the default envelope. See docs/backends.md.
@@ -14,22 +27,37 @@ import copy
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 from ..core.errors import UsageError, did_you_mean
 from ..core.tracebacks import exception_line
+from ..problems.envelope import SparseEnvelope
 from ..problems.generate import DTYPES
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
-from .base import Backend, Envelope
+from ..problems.packed import SCALE_CONVENTIONS
+from ..problems.sparse import SPARSE_FORMATS
+from .base import AnyEnvelope, Backend
+from .flashinfer_trtllm import TRTLLM_GEN_SPARSE_ENVELOPE, FlashInferSparseBackend
+from .flashmla_api import FlashMLAApi
+from .flashmla_sparse import FLASHMLA_SPARSE_ENVELOPE, FlashMLASparseBackend
 from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 
 ENVELOPE_ATTR = "mla_verify_envelope"
+TRTLLM, TRTLLM_SPARSE, FLASHMLA_SPARSE = "trtllm", "trtllm-sparse", "flashmla-sparse"
+CONVENTIONS = (TRTLLM, TRTLLM_SPARSE, FLASHMLA_SPARSE)
+# a user's sparse kernel may run anywhere it says; by default on CPU and any GPU, within its library's limits
+USER_TRTLLM_SPARSE_ENVELOPE = replace(TRTLLM_GEN_SPARSE_ENVELOPE, devices=("cuda", "cpu"), archs=None,
+                                      pass_out=(True, False), notes="trtllm-sparse convention (a user kernel)")
+USER_FLASHMLA_SPARSE_ENVELOPE = replace(FLASHMLA_SPARSE_ENVELOPE, devices=("cuda", "cpu"), archs=None,
+                                        notes="flashmla-sparse convention (a user kernel)")
 
 
 def _int(v: Any) -> bool:
@@ -79,27 +107,44 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# a SparseEnvelope's fields, as _FIELDS an Envelope's
+_SPARSE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{k: _FIELDS[k] for k in ("devices", "archs", "page_sizes", "max_heads", "q_len", "pass_out", "lse_base",
+                               "notes")},
+    "formats": (_among(SPARSE_FORMATS), f"a non-empty list of {list(SPARSE_FORMATS)}"),
+    "scales": (_among(SCALE_CONVENTIONS), f"a non-empty list of {list(SCALE_CONVENTIONS)}"),
+    "topk_multiple": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "max_topk": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "topk_length_formats": (lambda v: isinstance(v, (list, tuple)) and all(x in SPARSE_FORMATS for x in v),
+                            f"a list of {list(SPARSE_FORMATS)}"),
+    "sinks": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
 def _tupled(v: Any) -> Any:
     return tuple(_tupled(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
-def envelope_from_overrides(overrides: Any, base: Envelope = TRTLLM_ENVELOPE, owner: str = "kernel") -> Envelope:
-    """``base`` with a kernel's declared field overrides applied; UsageError naming the first bad field."""
+def envelope_from_overrides(overrides: Any, base: AnyEnvelope = TRTLLM_ENVELOPE, owner: str = "kernel") -> Any:
+    """``base`` (an Envelope or a SparseEnvelope) with a kernel's declared field overrides applied; UsageError
+    naming the first bad field."""
+    kind = type(base).__name__
+    fields = _SPARSE_FIELDS if isinstance(base, SparseEnvelope) else _FIELDS
     if not isinstance(overrides, dict):
-        raise UsageError(f"{owner}: {ENVELOPE_ATTR} must be a dict of Envelope fields, "
+        raise UsageError(f"{owner}: {ENVELOPE_ATTR} must be a dict of {kind} fields, "
                          f"got {type(overrides).__name__}")
-    unknown = sorted(set(overrides) - set(_FIELDS))
+    unknown = sorted(set(overrides) - set(fields))
     if unknown:
-        raise UsageError(f"{owner}: unknown envelope field(s) {unknown}{did_you_mean(unknown[0], _FIELDS)}; "
-                         f"known: {', '.join(_FIELDS)}")
+        raise UsageError(f"{owner}: unknown envelope field(s) {unknown}{did_you_mean(unknown[0], fields)}; "
+                         f"known: {', '.join(fields)}")
     for name, value in overrides.items():
-        check, expected = _FIELDS[name]
+        check, expected = fields[name]
         if not check(value):
             raise UsageError(f"{owner}: envelope field '{name}' must be {expected}, got {value!r}")
-    return base.narrowed(**{k: _tupled(v) for k, v in overrides.items()})
+    return replace(base, **{k: _tupled(v) for k, v in overrides.items()})
 
 
-def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> Backend:
+def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None, convention: str | None = None) -> Backend:
     """``"pkg.mod:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> a backend calling that callable,
     or the ``Backend`` instance it names (a copy, named ``target``).
 
@@ -107,15 +152,20 @@ def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None) -> Ba
     a module of its own, its directory first on sys.path (as ``python path/to/file.py`` has it), so it can
     import the files beside it. ``recorded`` is a reproducer's ``Backend.source``: the recorded file, and the
     module's recorded folder first on sys.path, so a replay finds the kernel from any directory. Every error
-    is a one-line UsageError naming ``flag``.
+    is a one-line UsageError naming ``flag``. ``convention`` names the callable's calling convention (else
+    the recorded one, else its signature's); it is recorded in ``source``.
     """
     module, _, obj = resolve_kernel(target, flag, recorded)
+    if convention is None and isinstance(recorded, dict) and isinstance(recorded.get("convention"), str):
+        convention = recorded["convention"]
     if isinstance(obj, Backend):  # named as the run names it, so that a worker or a replay loads it by that name
         backend = copy.copy(obj)
         backend.name = target
     else:
-        backend = kernel_backend(obj, target)
+        backend = kernel_backend(obj, target, convention, flag)
     backend.source = _source_of(target.rpartition(":")[0], module)
+    if convention is not None and backend.source is not None:
+        backend.source["convention"] = convention
     return backend
 
 
@@ -158,15 +208,56 @@ def _source_of(source: str, module: ModuleType) -> dict[str, str] | None:
     return {"file": path, "sys_path": root}
 
 
-def kernel_backend(fn: Any, name: str) -> TrtllmStyleBackend:
-    """A backend named ``name`` calling the Contract-1 callable ``fn``, held to its declared envelope (or
-    trtllm-gen's); its description is the first line of its docstring."""
+def kernel_convention(fn: Any) -> str:
+    """The calling convention ``fn``'s signature shows (the module docstring's rule)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: Contract 1's first convention
+        return TRTLLM
+    return FLASHMLA_SPARSE if "indices" in params else TRTLLM_SPARSE if "sparse_mla_top_k" in params else TRTLLM
+
+
+def kernel_backend(fn: Any, name: str, convention: str | None = None, flag: str = "--convention") -> Backend:
+    """A backend named ``name`` calling ``fn`` by its calling convention (``convention``, else its signature's),
+    held to its declared envelope (or its convention's); its description is the first line of its docstring."""
     if not callable(fn):
         raise UsageError(f"kernel '{name}' is a {type(fn).__name__}, not a callable")
+    if convention is not None and convention not in CONVENTIONS:
+        raise UsageError(f"{flag}: unknown calling convention '{convention}'{did_you_mean(convention, CONVENTIONS)}; "
+                         f"known: {', '.join(CONVENTIONS)}")
+    convention = convention or kernel_convention(fn)
+    base: Any = {TRTLLM: TRTLLM_ENVELOPE, TRTLLM_SPARSE: USER_TRTLLM_SPARSE_ENVELOPE,
+            FLASHMLA_SPARSE: USER_FLASHMLA_SPARSE_ENVELOPE}[convention]
     declared = getattr(fn, ENVELOPE_ATTR, None)
-    envelope = TRTLLM_ENVELOPE if declared is None else envelope_from_overrides(declared, owner=f"kernel '{name}'")
+    envelope = base if declared is None else envelope_from_overrides(declared, base, owner=f"kernel '{name}'")
     doc = (getattr(fn, "__doc__", None) or "").strip().splitlines()
-    return TrtllmStyleBackend(name, fn, envelope, doc[0] if doc else f"user kernel {name}")
+    description = doc[0] if doc else f"user kernel {name} ({convention} convention)"
+    if convention == TRTLLM_SPARSE:
+        return FlashInferSparseBackend(name, envelope, None, description, fn=fn)
+    if convention == FLASHMLA_SPARSE:
+        return FlashMLASparseBackend(name, FlashMLAApi(_no_schedule, _taking_its_own(fn)), envelope, description,
+                                     own_kernel=True)
+    return TrtllmStyleBackend(name, fn, envelope, description)
+
+
+def _no_schedule(*args: Any, **kwargs: Any) -> tuple[None, None]:
+    """A user's FlashMLA-convention kernel schedules itself: its tile_scheduler_metadata and num_splits are None."""
+    return None, None
+
+
+def _taking_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called with the keyword arguments its signature takes only: FlashMLA's interfaces differ in a few
+    (``kv_format``, ``use_legacy``), and a kernel of one's own may take fewer."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+    return call
 
 
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify, dense or sparse (repeatable; list-backends names them)")
+    _convention_argument(check)
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--kernel", metavar="MODULE:ATTR",
                        help="run this callable (MODULE:ATTR or path/to/file.py:ATTR) instead of the recorded one")
     which.add_argument("--backend", metavar="NAME", help="run this backend instead of the recorded one")
+    _convention_argument(replay)
     _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
     replay.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run the case in a worker process, so that a crash is a verdict (default: on when "
@@ -106,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(func=bench_command)
     return parser
+
+
+def _convention_argument(parser: argparse.ArgumentParser) -> None:
+    from ..backends.user_kernel import CONVENTIONS
+
+    parser.add_argument("--convention", choices=CONVENTIONS, metavar="NAME",
+                        help="the calling convention of --kernel callables: " + ", ".join(CONVENTIONS) +
+                        " (default: read from each one's signature; docs/contracts.md)")
 
 
 def _device_argument(parser: argparse.ArgumentParser, default: str | None, extra: str = "") -> None:
@@ -177,7 +187,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
               "earlier runs found); the fuzz profile uses it", file=sys.stderr)
     check_writable_dir(ns.fixtures_dir, "--fixtures-dir")
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
-    backends = _select_backends(ns.kernel, ns.backend, device)
+    if ns.convention and not ns.kernel:
+        raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
+    backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
     isolate = device.type == "cuda" if ns.isolate is None else ns.isolate
     in_flight = in_flight_path(ns.fixtures_dir)
 
@@ -272,12 +284,12 @@ def _planned_cases(backend: Any, device: torch.device, profile: Any, max_example
     return corners + (max_examples or profile.max_examples)
 
 
-def _select_backends(kernels: list[str] | None, names: list[str] | None,
-                     device: torch.device) -> list[tuple[Any, str | None]]:
+def _select_backends(kernels: list[str] | None, names: list[str] | None, device: torch.device,
+                     convention: str | None = None) -> list[tuple[Any, str | None]]:
     """(backend, why it cannot run here or None). A backend the user named must be able to run."""
     from ..backends import requested_backends
 
-    chosen = [(b, b.unavailable_reason(device)) for b in requested_backends(names, kernels)]
+    chosen = [(b, b.unavailable_reason(device)) for b in requested_backends(names, kernels, convention)]
     for b, reason in chosen:
         if reason is not None and (kernels or names):
             raise UsageError(f"{b.name} cannot run on {device}: {reason}")
@@ -323,8 +335,10 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     recorded = fx.meta.get("backend")
     name = ns.backend or recorded
     backend: Backend
+    if ns.convention and not ns.kernel:
+        raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
     if ns.kernel:
-        backend = load_kernel(ns.kernel)
+        backend = load_kernel(ns.kernel, convention=ns.convention)
     elif name:
         # a --kernel run records MODULE:ATTR, and where it was loaded from
         backend = named_backend(name, fx.meta.get("kernel_source"))

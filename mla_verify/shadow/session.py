@@ -420,7 +420,8 @@ def _kernel_entry(kernel: str | Callable[..., Any]) -> _Entry:
     home = None
     if isinstance(kernel, str):
         module, attr, obj = resolve_kernel(kernel, "shadow kernel")  # a file is imported under a module of its own
-        fn, name = kernel_backend(obj, kernel).fn, kernel
+        kernel_backend(obj, kernel, "trtllm")  # its one-line errors: not a callable, a bad envelope
+        fn, name = obj, kernel
         if "." not in attr:
             home = (module, attr)
     elif callable(kernel):
