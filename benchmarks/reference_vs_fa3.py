@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mla_verify.backends.flashinfer_wrapper import WRAPPER_PATHS, FlashInferWrapperBackend
-from mla_verify.bench.measure import BenchCase, pick_layout
+from mla_verify.bench.grid import BenchCase, pick_layout
 from mla_verify.bench.timing import EAGER, ArmedRound, CudaTimer, Timing
 from mla_verify.core.platform import platform_info
 from mla_verify.problems.generate import ProblemSpec, build_problem

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
-from mla_verify.bench import measure as bench
-from mla_verify.bench.measure import BenchCase, BenchResult, bench_main, compare_results, run_bench
+from mla_verify.bench import grid as bench
+from mla_verify.bench import measure
+from mla_verify.bench.grid import BenchCase
+from mla_verify.bench.measure import BenchResult, bench_main, compare_results, run_bench
 from mla_verify.bench.timing import WallClockTimer
 from mla_verify.core.dims import MLADims
 from mla_verify.problems.generate import ProblemSpec, build_problem
@@ -85,10 +87,10 @@ def test_bytes_and_flops_match_a_hand_count(dtype: str, q_len: int) -> None:
 def test_rotation_covers_twice_l2_and_never_repeats_back_to_back() -> None:
     l2 = 60 << 20
     for set_bytes in (1 << 10, 19 << 20, 59 << 20, 61 << 20, 5 << 30):
-        n = bench.rotation_sets(set_bytes, l2)
+        n = measure.rotation_sets(set_bytes, l2)
         assert n >= 2
-        assert n * set_bytes >= 2 * l2 or n == bench.MAX_SETS
-    assert bench.rotation_sets(1 << 20, 0) == 1  # CPU: no cache size to defeat
+        assert n * set_bytes >= 2 * l2 or n == measure.MAX_SETS
+    assert measure.rotation_sets(1 << 20, 0) == 1  # CPU: no cache size to defeat
 
 
 def test_ragged_lengths_are_seeded_and_in_range() -> None:
@@ -137,7 +139,7 @@ def test_compare_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtur
         clock = FakeClock()
         ns = _parse(["--device", "cpu", "--no-reference", "--out", str(tmp_path / out), "--compare", base_json]
                     + _grid_args())
-        return bench.bench_command(ns, resolve=lambda names, kernels: fake_backends(clock, costs),
+        return measure.bench_command(ns, resolve=lambda names, kernels: fake_backends(clock, costs),
                                    timer=WallClockTimer(clock=clock, samples=3))
 
     assert run({"steady": 1e-3, "victim": 1e-3}, "same") == 0
@@ -190,7 +192,7 @@ def test_each_finished_case_is_checkpointed() -> None:
 
 def test_the_timed_output_is_checked_against_the_reference() -> None:
     right = fake_run({"right": 1e-3}, reference=True)
-    assert {c.status for c in right.cases} == {"ok"} and all(c.rel_l2 < bench.SANITY_REL_L2 for c in right.cases)
+    assert {c.status for c in right.cases} == {"ok"} and all(c.rel_l2 < measure.SANITY_REL_L2 for c in right.cases)
     assert all(c.reference_ms is not None for c in right.cases)
     wrong = fake_run({"zeros": 1e-3}, reference=True, correct=False)
     assert {c.status for c in wrong.cases} == {"wrong"}
@@ -217,7 +219,7 @@ def test_bench_main_times_the_registered_cpu_peer(tmp_path: Path, capsys: pytest
     result = BenchResult.load(tmp_path / "bench.json")
     assert {(c.backend, c.status) for c in result.cases} == {("cpu-peer", "ok")}
     assert len(result.cases) == len(bench.make_grid(TINY_AXES))
-    assert all(c.median_ms > 0 and c.rel_l2 < bench.SANITY_REL_L2 for c in result.cases)
+    assert all(c.median_ms > 0 and c.rel_l2 < measure.SANITY_REL_L2 for c in result.cases)
 
 
 def test_an_internal_error_is_one_line_not_a_traceback(monkeypatch: pytest.MonkeyPatch,
@@ -226,7 +228,7 @@ def test_an_internal_error_is_one_line_not_a_traceback(monkeypatch: pytest.Monke
     def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(bench, "_run_from_options", broken)
+    monkeypatch.setattr(measure, "_run_from_options", broken)
     monkeypatch.delenv("MLA_VERIFY_TRACEBACK", raising=False)
     assert bench_main([]) == 2
     err = capsys.readouterr().err.strip()
@@ -248,7 +250,7 @@ def _parse(argv: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
+    measure.add_bench_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -18,9 +18,10 @@ from test_bench import TINY_AXES, FakeClock, fake_backends
 from mla_verify.backends import Backend, all_backends
 from mla_verify.backends.base import PreparedCall
 from mla_verify.backends.flashmla_api import FlashMLAApi
-from mla_verify.bench import measure as bench
+from mla_verify.bench import grid as bench
+from mla_verify.bench import measure
+from mla_verify.bench.grid import SPARSE_GRIDS, SparseBenchCase, sparse_case_bytes, sparse_case_flops
 from mla_verify.bench.measure import BenchResult, bench_main, compare_results, run_bench
-from mla_verify.bench.sparse import SPARSE_GRIDS, SparseBenchCase, sparse_case_bytes, sparse_case_flops
 from mla_verify.bench.timing import WallClockTimer
 from mla_verify.kernels.sparse_mutants import SparseStandIn, stand_in_backend
 from mla_verify.problems.layouts import LayoutSpec
@@ -99,7 +100,7 @@ def test_the_cpu_stand_in_is_timed_through_the_command(tmp_path: Path, capsys: p
     timed = result.timed()
     assert len(timed) == 6 and {c.status for c in timed} == {"ok"}  # 3 packed formats x q_len 1, 2
     for c in timed:
-        assert c.rel_l2 < bench.SANITY_REL_L2 and c.reference_ms is not None
+        assert c.rel_l2 < measure.SANITY_REL_L2 and c.reference_ms is not None
         assert c.bytes == sparse_case_bytes(SparseBenchCase(**c.case).spec(0))
         assert math.isclose(c.gbps, c.bytes / (c.median_ms * 1e-3) / 1e9, rel_tol=1e-9)
     with (tmp_path / "bench.csv").open() as fh:

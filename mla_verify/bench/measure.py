@@ -1,13 +1,12 @@
 """Benchmark mode: latency, achieved bandwidth and FLOP rate of every runnable backend over a grid of problems.
 
-Per case (batch, heads, max sequence length, page size, dtype, q_len) the benchmark builds several input
-sets with ``build_problem`` -- the same ragged lengths, different values and page permutations -- enough
-that one round over them moves more than twice the L2 cache, so no call finds its inputs cached by the
-previous one. Every backend that can run the case is timed over that round (``bench_timing``), its output
-for the first set is checked against the reference (whose own cost is recorded beside it), and
-the bytes and FLOPs the case must move give GB/s, TFLOP/s and the fraction of the device copy bandwidth
-measured in the same run. Sparse (top-k) backends get sparse cases (bench/sparse.py), timed the same way into
-rows of the same schema (``kind`` "sparse"). ``compare_results`` matches two runs case by case (backend + case
+Per grid case (grid.py: a dense case, or a sparse one for a sparse backend) the benchmark builds several input
+sets -- the same sizes, different values and page permutations -- enough that one round over them moves more
+than twice the L2 cache, so no call finds its inputs cached by the previous one. Every backend of the case's
+problem kind that can run it is timed over that round (``bench_timing``), its output for the first set is checked
+against the reference (whose own cost is recorded beside it), and the bytes and FLOPs the case must move give
+GB/s, TFLOP/s and the fraction of the device copy bandwidth measured in the same run: one loop and one row schema
+for every kind (``kind`` "dense" or "sparse"). ``compare_results`` matches two runs case by case (backend + case
 key): the pre-merge gate (``--compare``) and the run-to-run agreement check are the same code.
 """
 from __future__ import annotations
@@ -16,23 +15,20 @@ import argparse
 import csv
 import datetime
 import functools
-import itertools
 import json
 import math
 import platform as pyplatform
-import random
 import statistics
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 
 from ..backends import Backend, requested_backends
-from ..backends.base import PreparedCall
 from ..core.cli_args import (
     OneLineParser,
     non_negative_int,
@@ -43,22 +39,22 @@ from ..core.cli_args import (
     run_command,
 )
 from ..core.errors import MLAVerifyError, UsageError
-from ..kinds import KINDS
 from ..problems.envelope import DENSE, SPARSE
-from ..problems.generate import DTYPES, ProblemSpec, build_problem
-from ..problems.layouts import LayoutSpec
-from ..problems.problem import DecodeProblem
+from ..problems.generate import DTYPES
 from ..records.fixtures import check_writable_dir, library_versions
-from .sparse import (
+from .grid import (
+    CASE_COLUMNS,
+    FORMULAS,
+    GRIDS,
     SPARSE_AXES,
-    SPARSE_FORMULAS,
     SPARSE_GRIDS,
+    Case,
     SparseBenchCase,
     check_sparse_axes,
-    sparse_workload,
+    make_grid,
 )
 from .timing import CudaTimer, Timer, WallClockTimer
-from .workload import GridCase, Workload
+from .workload import Workload
 
 SCHEMA = "mla-verify-bench/2"
 READABLE_SCHEMAS = ("mla-verify-bench/1", SCHEMA)  # /1: dense rows only, before the kind column
@@ -74,89 +70,6 @@ COPY_MIN_BYTES = 1 << 30  # the copy-bandwidth probe moves at least 1 GiB, and a
 # stale buffer): kernels that pass the check suite sit near 2e-3 in bf16 and near 1e-2 with an fp8 cache or
 # packed fp8 sparse rows (FlashMLA fp8, 1.09e-2 on the H200: docs/backends.md). 2e-2 clears both, 50x below ~1.
 SANITY_REL_L2 = 2e-2
-# One bench layout per backend: the first of these its envelope accepts (3-D cache, out passed, no LSE:
-# what a serving engine's decode step asks for).
-LAYOUT_CHOICES = (LayoutSpec(3, 0, "native", True, False), LayoutSpec(4, 0, "native", True, False),
-                  LayoutSpec(3, 0, "pad128", True, False), LayoutSpec(4, 0, "pad128", True, False),
-                  LayoutSpec(3, 0, "native", False, False), LayoutSpec(3, 0, "native", True, True))
-
-
-@dataclass(frozen=True)
-class BenchCase(GridCase):
-    """One grid point. Lengths are drawn uniformly in [q_len, max_seq_len] from a seeded RNG."""
-
-    batch: int
-    heads: int
-    max_seq_len: int
-    page_size: int
-    dtype: str = "bf16"
-    q_len: int = 1
-
-    kind: ClassVar[str] = "dense"
-    KEY: ClassVar[str] = "B{batch}-H{heads}-S{max_seq_len}-p{page_size}-{dtype}-q{q_len}"
-
-    def seq_lens(self, seed: int) -> tuple[int, ...]:
-        rng = random.Random(f"mla-verify-bench:{self.batch}:{self.max_seq_len}:{self.q_len}:{seed}")
-        return tuple(rng.randint(self.q_len, self.max_seq_len) for _ in range(self.batch))
-
-    def spec(self, seed: int, input_set: int = 0) -> ProblemSpec:
-        """Input set ``input_set``: the same lengths, fresh values and page order."""
-        return ProblemSpec(self.seq_lens(seed), q_len=self.q_len, num_heads=self.heads, page_size=self.page_size,
-                           dtype=self.dtype, pad_fill="zero", seed=seed * 1009 + input_set)
-
-
-ANCHOR = BenchCase(batch=512, heads=16, max_seq_len=4096, page_size=64)
-"""The case FlashInfer fa3 was measured on independently of this benchmark (docs/bench.md, "The grid")."""
-DEFAULT_AXES: dict[str, tuple[Any, ...]] = {
-    "batch": (32, 128, 512), "heads": (16, 128), "max_seq_len": (1024, 4096, 16384), "page_size": (32, 64),
-    "dtype": ("bf16",), "q_len": (1, 2)}
-GRIDS = {"default": DEFAULT_AXES, "anchor": {k: (getattr(ANCHOR, k),) for k in DEFAULT_AXES}}
-
-
-Case = BenchCase | SparseBenchCase
-CASE_COLUMNS = list(dict.fromkeys([*DEFAULT_AXES, *SPARSE_AXES]))  # bench.csv: every axis of either kind
-
-
-def make_grid(axes: Mapping[str, Sequence[Any]], case_type: type[Case] = BenchCase) -> list[Case]:
-    """Every combination of the axis values (the anchor case is one of the default grid's)."""
-    names = [f.name for f in fields(case_type)]
-    return [case_type(**dict(zip(names, values))) for values in itertools.product(*(axes[n] for n in names))]
-
-
-# ---------------------------------------------------------------------------------------------- counting
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
-
-
-FORMULAS = {  # recorded in every result; D = kv_lora_rank + rope (576), L = kv_lora_rank (512)
-    "bytes": "sum(seq_lens)*D*itemsize + B*q_len*H*D*itemsize + B*q_len*H*L*2 (cache rows owned, query, bf16 out)",
-    "flops": "2*(D+L)*H*sum_b(q_len*n_b - q_len*(q_len-1)/2) (causal: query token i sees n - q_len + i + 1 tokens)",
-    "copy_fraction": "achieved bytes/s / device-to-device copy bytes/s (the copy's read + write counted)",
-    **SPARSE_FORMULAS,
-}
-
-
-def case_bytes(spec: ProblemSpec) -> int:
-    """Bytes the case must move: every cached latent row a sequence owns, read once; the query; the bf16 out.
-
-    sum(seq_lens) * (kv_lora_rank + rope) * itemsize + B * q_len * H * (kv_lora_rank + rope) * itemsize
-    + B * q_len * H * kv_lora_rank * 2. Page tails, block tables and seq_lens are not counted.
-    """
-    d = spec.dims
-    rows = spec.batch * spec.q_len * spec.num_heads
-    return (spec.total_tokens + rows) * d.head_dim_qk * _itemsize(spec.dtype) + rows * d.kv_lora_rank * 2
-
-
-def case_flops(spec: ProblemSpec) -> int:
-    """2 * (kv_lora_rank + rope + kv_lora_rank) per (query token, head, visible KV token).
-
-    Query token i of a request of length n sees n - q_len + i + 1 tokens (causal), so a request contributes
-    q_len * n - q_len * (q_len - 1) / 2 (query token, KV token) pairs.
-    """
-    d = spec.dims
-    q = spec.q_len
-    pairs = sum(q * n - q * (q - 1) // 2 for n in spec.seq_lens)
-    return 2 * (d.head_dim_qk + d.kv_lora_rank) * spec.num_heads * pairs
 
 
 def rotation_sets(set_bytes: int, l2_bytes: int) -> int:
@@ -175,7 +88,7 @@ class BenchRow:
     key: str
     case: dict[str, Any]
     status: str  # ok | wrong (timed, but the output failed the sanity check) | skipped | error
-    kind: str = "dense"  # dense | sparse (a top-k case, bench/sparse.py)
+    kind: str = "dense"  # dense | sparse: the problem kind of its case (grid.py)
     reason: str = ""
     case_id: str = ""  # the case_id of input set 0's ProblemSpec (sparse: SparseSpec)
     method: str = ""
@@ -264,17 +177,6 @@ Resolver = Callable[[list[str] | None, list[str] | None], list[Backend]]  # (--b
 requested: Resolver = requested_backends  # the backends ``--backend``/``--kernel`` name, every kind
 
 
-def pick_layout(backend: Backend, spec: ProblemSpec, device: torch.device) -> tuple[LayoutSpec | None, str]:
-    """The first of LAYOUT_CHOICES the backend accepts for ``spec``, or (None, why not)."""
-    first_reason = ""
-    for layout in LAYOUT_CHOICES:
-        reason = backend.why_not(spec, layout, device)
-        if reason is None:
-            return layout, ""
-        first_reason = first_reason or reason
-    return None, first_reason
-
-
 def default_timer(device: torch.device, samples: int | None = None) -> Timer:
     if device.type == "cuda":
         return CudaTimer(device, **({"samples": samples} if samples else {}))
@@ -285,8 +187,8 @@ def run_bench(backends: Sequence[Backend], grid: Sequence[Case], device: torch.d
               timer: Timer | None = None, seed: int = 0, reference: bool = True, use_graphs: bool = True,
               log: Callable[[str], None] = lambda s: None,
               checkpoint: Callable[[BenchResult], object] | None = None) -> BenchResult:
-    """Time every backend on every grid case of its kind it can run (dense backends on ``BenchCase``s, sparse
-    ones on ``SparseBenchCase``s); ``timer`` defaults to CUDA graphs/events on a GPU.
+    """Time every backend on every grid case of its problem kind it can run (grid.py: dense backends on
+    ``BenchCase``s, sparse ones on ``SparseBenchCase``s); ``timer`` defaults to CUDA graphs/events on a GPU.
 
     ``checkpoint`` gets the partial result (``meta["complete"]`` False) after every case, so a run cut short
     by a time limit still leaves the cases it finished.
@@ -298,41 +200,13 @@ def run_bench(backends: Sequence[Backend], grid: Sequence[Case], device: torch.d
     log(f"device copy bandwidth: {_num(copy_bps and copy_bps / 1e9, '.0f')} GB/s; L2 {l2 / 2**20:.0f} MiB")
     result = BenchResult(_meta(device, grid, [b.name for b in backends], timer, seed, l2, copy_bps, reference), [])
     result.meta["complete"] = False
-    dense = [b for b in backends if b.kind == DENSE]
-    sparse = [b for b in backends if b.kind == SPARSE]
     for case in grid:
-        work = sparse_workload(case, sparse, device, seed) if isinstance(case, SparseBenchCase) \
-            else dense_workload(case, dense, device, seed)
+        work = case.workload([b for b in backends if b.kind == case.kind], device, seed)
         result.cases += _time_case(work, device, timer, reference, use_graphs, l2, copy_bps, log)
         if checkpoint is not None:
             checkpoint(result)
     result.meta["complete"] = True
     return result
-
-
-def dense_workload(case: BenchCase, backends: Sequence[Backend], device: torch.device, seed: int) -> Workload:
-    spec0 = case.spec(seed)
-    work = Workload("dense", case.key, asdict(case), spec0.case_id(), case_bytes(spec0), case_flops(spec0),
-                    functools.partial(_build_dense, case, seed, device), _dense_reference_out)
-    for b in backends:
-        layout, reason = pick_layout(b, spec0, device)
-        if layout is None:
-            work.skipped.append((b.name, reason))
-        else:
-            work.runnable.append((b.name, functools.partial(_prepare_dense, b, layout)))
-    return work
-
-
-def _build_dense(case: BenchCase, seed: int, device: torch.device, input_set: int) -> DecodeProblem:
-    return build_problem(case.spec(seed, input_set), device)
-
-
-def _dense_reference_out(problem: DecodeProblem) -> torch.Tensor:
-    return KINDS[DENSE].reference(problem).out
-
-
-def _prepare_dense(backend: Backend, layout: LayoutSpec, problem: DecodeProblem) -> PreparedCall:
-    return backend.prepare(problem, layout)
 
 
 def _time_case(work: Workload, device: torch.device, timer: Timer, reference: bool, use_graphs: bool, l2: int,
@@ -551,7 +425,7 @@ def _run_from_options(ns: argparse.Namespace, resolve: Resolver, timer: Timer | 
             backends.append(b)
     if not backends:
         raise UsageError(f"no backend can run on {device}")
-    grid = make_grid(axes) if any(isinstance(b, Backend) for b in backends) else []
+    grid = make_grid(axes) if any(b.kind == DENSE for b in backends) else []
     if any(b.kind == SPARSE for b in backends):
         grid += make_grid(sparse_axes, SparseBenchCase)
     result = run_bench(backends, grid, device, timer=timer or default_timer(device, ns.samples),

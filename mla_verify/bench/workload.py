@@ -3,25 +3,29 @@ record, how to build its input sets and its reference, and which backends run it
 not."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..backends.base import PreparedCall
+from ..backends.base import Backend, PreparedCall
 
 
 class GridCase:
-    """A grid point (a frozen dataclass of its axes): its rows' kind, and its key from ``KEY``."""
+    """A grid point (a frozen dataclass of its axes): its problem kind, its key from ``KEY``, its workload."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[str]  # its problem kind's name (problems/envelope.py): only backends of that kind time it
     KEY: ClassVar[str]  # str.format template over the axes
 
     @property
     def key(self) -> str:
         """Stable, readable case key: what ``compare_results`` matches on (with the backend name)."""
         return self.KEY.format(**vars(self))
+
+    def workload(self, backends: Sequence[Backend], device: torch.device, seed: int) -> Workload:
+        """This case for ``backends`` (all of its kind): each runnable one with its prepare, or why not."""
+        raise NotImplementedError
 
 
 @dataclass
