@@ -20,7 +20,8 @@ from mla_verify.problems.packed import FORMATS, kernel_view
 from mla_verify.problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
 from mla_verify.problems.sparse_reference import sparse_reference
 from mla_verify.shadow import ShadowError, shadow
-from mla_verify.shadow.sparse import cache_format, live_sparse_problem
+from mla_verify.shadow.entries import cache_format
+from mla_verify.shadow.problem import live_sparse_problem
 
 # 64 heads (FlashMLA's smallest h_q), topk 128 over 3 of 8 pages: the call's pool is larger than what it reads
 BASE = SparseSpec(batch=2, num_heads=64, topk=128, page_size=64, used_pages=3, extra_pages=5, invalid=0.1,

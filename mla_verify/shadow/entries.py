@@ -8,8 +8,14 @@
   1/sqrt(head_dim of q), LSE [B, H, s_q] in natural log; dense bf16, and the sgl-flash-mla wheel's dense fp8
   with descale_q/descale_k; a ``FlashMLASchedMeta`` reused for other shapes or lengths (a stale schedule), and
   sparse-only arguments the dense path ignores, are reported.
-The wrapper's plan/run pair is read in wrapper.py, FlashMLA's sparse calls in sparse.py. Nothing here calls a
-kernel or changes a tensor.
+- FlashMLA's sparse calls, ``flash_mla_with_kvcache(..., indices=...)`` (``read_flashmla_sparse``): every index
+  must be -1 or a slot of the pool (the kernel masks -1 only: anything else would be an out-of-bounds read, a
+  blocking error); a V3.2-width query's ``softmax_scale`` is checked against the softmax conventions (FlashMLA's
+  default, 1/sqrt(576), is the absorbed width's mistake); then the call is read as a sparse problem over the pages
+  its indices touch (problem.py's ``live_sparse_problem``). The cache is ``[blocks, page, 1, bytes]``: 656-byte
+  rows are V3.2, 584 V4 (the sgl wheel's reading), others need ``kv_format``; a bf16 cache of 576-value rows is
+  read as it is. LSE: ``[B, h_q, s_q]``, natural log.
+The wrapper's plan/run pair is read in wrapper.py. Nothing here calls a kernel or changes a tensor.
 """
 from __future__ import annotations
 
@@ -23,11 +29,25 @@ from typing import Any
 import torch
 
 from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
+from ..backends.flashmla_sparse import WHEEL_FORMAT_BY_BYTES
 from ..backends.trtllm_style import split_lse
 from ..core.bits import same_bits
+from ..core.errors import ProblemError
+from ..problems.packed import FORMATS
 from ..problems.problem import FP8
-from ..problems.sparse import SparseDecodeProblem
-from .contract import ERROR, WARNING, Finding, KernelContract, PagedArgs, sparse_index_findings
+from ..problems.sparse import UNPACKED, SparseDecodeProblem
+from .contract import (
+    ERROR,
+    WARNING,
+    Finding,
+    KernelContract,
+    ModelFacts,
+    PagedArgs,
+    check_softmax_scale,
+    sparse_index_findings,
+    validation_finding,
+)
+from .problem import live_sparse_problem
 
 Canonical = Callable[[Any], "tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]"]
 CONTRACT1_ORDER = ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
@@ -258,7 +278,7 @@ def _schedule_key(q: torch.Tensor, cache: torch.Tensor, lens: Any, causal: bool,
 def read_flashmla(values: Mapping[str, Any], schedules: FlashMLASchedules | None = None) -> LiveCall:
     """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse).
     Dense bf16 and, in the sgl-flash-mla wheel, dense per-tensor fp8 (``descale_q``/``descale_k``); a sparse
-    call (``indices=``) is shadow/sparse.py's."""
+    call (``indices=``) is ``read_flashmla_sparse``'s."""
     contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
     q, cache, dv = values.get("q"), values.get("k_cache"), values.get("head_dim_v", values.get("dv"))
     if not isinstance(q, torch.Tensor) or not isinstance(cache, torch.Tensor) or dv is None:
@@ -303,3 +323,61 @@ def read_flashmla(values: Mapping[str, Any], schedules: FlashMLASchedules | None
 
     return LiveCall(args, contract, pass_out=False, return_lse=True, to_canonical=to_canonical,
                     replay="flashmla-fp8" if fp8 else "flashmla", unchecked=unchecked, findings=found)
+
+
+V32_WIDTH = 576  # a query this wide is DeepSeek V3.2's (latent 512 + rope 64): its softmax scale is checked
+UNREAD = (("extra_k_cache", "extra KV scopes"), ("extra_indices_in_kvcache", "extra KV scopes"))
+
+
+def read_flashmla_sparse(values: Mapping[str, Any], facts: ModelFacts = ModelFacts()) -> LiveCall | None:
+    """The call as a sparse LiveCall; None when it is not sparse (no ``indices``)."""
+    indices, cache, q = values.get("indices"), values.get("k_cache"), values.get("q")
+    if not isinstance(indices, torch.Tensor):
+        return None
+    contract = KernelContract("flash_mla_with_kvcache(indices=...)", lse_base=LN_BASE)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or not isinstance(q, torch.Tensor):
+        return LiveCall(None, contract, unchecked="no q or 4-D k_cache in the sparse call")
+    found = sparse_index_findings(indices, cache.shape[0] * cache.shape[1],
+                                  "FlashMLA masks -1 only and would read outside k_cache")
+    if found:
+        return LiveCall(None, contract, findings=found, unchecked="indices outside the pool")
+    for name, form in UNREAD:
+        if values.get(name) is not None:
+            return LiveCall(None, contract, unchecked=f"{form} ({name}) are not computed by the sparse reference")
+    fmt, why = cache_format(cache, values.get("kv_format"))
+    if fmt is None:
+        return LiveCall(None, contract, unchecked=why)
+    scale = q.shape[-1] ** -0.5 if values.get("softmax_scale") is None else scalar(values["softmax_scale"])
+    if q.shape[-1] == V32_WIDTH:
+        found += check_softmax_scale(scale, 512, V32_WIDTH - 512, facts)
+    try:
+        problem = live_sparse_problem(q, cache, fmt, indices, values.get("topk_length"), values.get("attn_sink"),
+                                      scale)
+    except ProblemError as error:
+        return LiveCall(None, contract, findings=[*found, validation_finding(error)],
+                        unchecked="the call cannot be read as a sparse problem")
+
+    def to_canonical(result: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Finding]]:
+        out, lse, parts = result_parts(result, None, True, "(out, softmax_lse)")
+        return out, None if lse is None else lse.transpose(1, 2), parts
+
+    return LiveCall(None, contract, return_lse=True, to_canonical=to_canonical, replay="flashmla-sparse",
+                    findings=found, sparse=problem)
+
+
+def cache_format(cache: torch.Tensor, kv_format: Any) -> tuple[str | None, str]:
+    """(the format name -- problems.sparse.UNPACKED for bf16 --, or None and why the cache is not read)."""
+    if cache.dtype == torch.bfloat16:
+        return UNPACKED, ""
+    if cache.element_size() != 1:
+        return None, f"a {cache.dtype} k_cache is not read (packed uint8/fp8 rows or bf16 values are)"
+    width = cache.shape[-1]
+    name = kv_format if kv_format is not None else WHEEL_FORMAT_BY_BYTES.get(width)
+    if name is None:
+        return None, (f"{width}-byte rows without kv_format: FlashMLA reads them as V4.1, which the sparse "
+                      "reference does not read (a V3.2-no-RoPE cache needs kv_format='V32_NO_ROPE')")
+    if name not in FORMATS or FORMATS[name].bytes_per_token != width:
+        return None, f"kv_format={name!r} with {width}-byte rows is not one of {sorted(FORMATS)} at its width"
+    if not FORMATS[name].page_level and cache.shape[1] > 1 and cache.stride(1) != width:
+        return None, f"the token rows of k_cache are {cache.stride(1)} bytes apart, not {width}: not read"
+    return name, ""

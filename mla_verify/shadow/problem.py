@@ -1,5 +1,6 @@
 """A live call in the suite's own terms: the DecodeProblem the reference solves, the LayoutSpec it came in,
-the ProblemSpec that describes it (for envelopes, messages and replay), and a reproducer-sized copy of it.
+the ProblemSpec that describes it (for envelopes, messages and replay), and a reproducer-sized copy of it; a
+sparse call's SparseDecodeProblem, over only the pages its indices touch (``live_sparse_problem``).
 
 A live call has no spec it was drawn from: ``describing_spec`` states its parameters, with ``values="live"``
 so that nothing can mistake it for a spec that regenerates the tensors (``build_problem`` refuses it); a
@@ -12,7 +13,9 @@ import torch
 from ..core.dims import MLADims
 from ..problems.generate import ProblemSpec, dtype_name
 from ..problems.layouts import LayoutSpec, canonical_cache, padded_width
+from ..problems.packed import FORMATS, dequantize
 from ..problems.problem import DecodeProblem
+from ..problems.sparse import UNPACKED, SparseDecodeProblem
 from .contract import DEEPSEEK_QK_NOPE, PagedArgs
 
 LIVE_VALUES = "live"  # ProblemSpec.values of a live call: its tensors are the engine's, not drawn
@@ -72,3 +75,38 @@ def compact(problem: DecodeProblem, rows: list[int] | None = None) -> DecodeProb
     q_lens = None if p.q_lens is None else tuple(p.q_lens[b] for b in kept)
     return DecodeProblem(p.query[index].contiguous(), p.kv_cache[pages.long()].contiguous(), new_table, lens.clone(),
                          p.dims, p.bmm1_scale, p.bmm2_scale, p.max_seq_len, p.window_left, q_lens).validate()
+
+
+def live_sparse_problem(q: torch.Tensor, cache: torch.Tensor, fmt: str, indices: torch.Tensor,
+                        topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None,
+                        softmax_scale: float) -> SparseDecodeProblem:
+    """The validated problem over the pages ``indices`` touch and the pool's last page, renumbered; ProblemError
+    if the call's tensors do not make one. ``indices`` must already be -1 or inside the pool."""
+    P, page = cache.shape[:2]
+    listed = indices[indices >= 0].long() // page
+    pages = torch.unique(torch.cat([listed, torch.tensor([P - 1], device=listed.device)]))  # ascending
+    idx = indices.long()
+    renumbered = torch.searchsorted(pages, idx.clamp_min(0) // page) * page + idx.clamp_min(0) % page
+    new_indices = torch.where(idx >= 0, renumbered, -1).to(torch.int32) if indices.dtype == torch.int32 \
+        else indices  # another dtype: validate() names it
+    packed = None
+    if fmt == UNPACKED:
+        kv = cache[pages][:, :, 0]
+    else:
+        spec = FORMATS[fmt]
+        raw = cache.view(torch.uint8).as_strided((P, page * spec.bytes_per_token), (cache.stride(0), 1))
+        packed = raw[pages]
+        kv = dequantize(packed, spec, page, "sm90")
+    return SparseDecodeProblem(q, kv, new_indices, float(softmax_scale), topk_length, attn_sink, fmt,
+                               packed).validate()
+
+
+def describe_live(p: DecodeProblem | SparseDecodeProblem) -> str:
+    """One line for a report: a dense call's describing spec; a sparse call's shape and what it masks."""
+    if isinstance(p, DecodeProblem):
+        return describing_spec(p).describe()
+    masked = p.masked()
+    return (f"sparse {p.fmt} B={p.batch} q_len={p.q_len} H={p.num_heads} topk={p.indices.shape[-1]} "
+            f"page={p.page_size} pages read={p.kv_cache.shape[0]} masked={float(masked.float().mean()):.0%} "
+            f"topk_length={'given' if p.topk_length is not None else 'none'} "
+            f"sink={'given' if p.attn_sink is not None else 'none'} scale={p.softmax_scale:.6g}")

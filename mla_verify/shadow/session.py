@@ -5,7 +5,7 @@
 
 While a session is on, FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla`` (wherever a module binds it),
 ``BatchMLAPagedAttentionWrapper.plan``/``run``, FlashMLA's ``flash_mla_with_kvcache`` (when installed; sparse
-calls included, shadow/sparse.py) and every kernel named in ``kernels=`` (a Contract-1 callable, ``MODULE:ATTR``
+calls included) and every kernel named in ``kernels=`` (a Contract-1 callable, ``MODULE:ATTR``
 or the object) are wrapped. A sampled call's
 arguments are checked against the kernel's contract (shadow/contract.py); the kernel runs; the same call is then
 recomputed with the reference from the same tensors and judged by the tolerance model (shadow/judge.py). A
@@ -40,13 +40,13 @@ from .entries import (
     read_contract1,
     read_flashinfer_trtllm,
     read_flashmla,
+    read_flashmla_sparse,
     signature_of,
 )
 from .fixture import DEFAULT_CAP_MIB, keep_reproducer
 from .judge import Judgement, Precheck, explain, judge, precheck
 from .patch import Installed, install_function, install_method, uninstall
-from .problem import describing_spec
-from .sparse import describe_sparse, read_flashmla_sparse
+from .problem import describe_live
 from .tally import Sampler, SiteTally, Tally
 from .wrapper import WrapperPlans
 
@@ -318,10 +318,8 @@ class ShadowSession:
         else:
             headline = "ARGUMENT WARNING"
         lines = [f"mla-verify shadow: {headline} at {site} in {call.contract.name}"]
-        if isinstance(pre.problem, DecodeProblem):
-            lines.append(f"  call: {describing_spec(pre.problem).describe()}")
-        elif pre.problem is not None:
-            lines.append(f"  call: {describe_sparse(pre.problem)}")
+        if pre.problem is not None:
+            lines.append(f"  call: {describe_live(pre.problem)}")
         if stopped:
             lines.append("  the kernel was not called: it would read outside its tensors or misread them")
         lines += [f"  {f.severity}: {f}" for f in findings]
