@@ -1,6 +1,6 @@
 """Sparse kernels that take their process down when an index points past slot ``CRASH_SLOT`` -- as FlashMLA's
 sparse kernel reads past its pool when handed an index it does not bounds-check -- and are correct elsewhere
-(the CPU stand-in behind FlashMLA's sparse calling convention, mla_verify.kernels.sparse_mutants; the installed
+(the CPU stand-in behind FlashMLA's sparse calling convention, mla_verify.kernels.flashmla_cpu; the installed
 FlashMLA for ``gathers_past_its_pool``, a GPU kernel: tests/gpu/test_crash_gpu.py). Importable as
 ``crashing_sparse_kernels:NAME`` with tests/ on PYTHONPATH."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from mla_verify.backends.base import PreparedCall
 from mla_verify.backends.flashmla_api import FlashMLAApi, installed_api
 from mla_verify.backends.flashmla_sparse import FlashMLASparseBackend
-from mla_verify.kernels.sparse_mutants import CPU_SPARSE_ENVELOPE, SparseStandIn
+from mla_verify.kernels.flashmla_cpu import CPU_SPARSE_ENVELOPE, SparseStandIn
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem
 

@@ -23,11 +23,11 @@ from mla_verify.bench import measure
 from mla_verify.bench.grid import SPARSE_GRIDS, SparseBenchCase, sparse_case_bytes, sparse_case_flops
 from mla_verify.bench.measure import BenchResult, bench_main, compare_results, run_bench
 from mla_verify.bench.timing import WallClockTimer
-from mla_verify.kernels.sparse_mutants import SparseStandIn, stand_in_backend
+from mla_verify.kernels.flashmla_cpu import SparseStandIn, sparse_stand_in_backend
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseDecodeProblem, SparseSpec, build_sparse_problem
 
-STAND_IN = "mla_verify.kernels.sparse_mutants:correct_sparse_kernel"
+STAND_IN = "mla_verify.kernels.mutants:correct_sparse_kernel"
 # 4 heads (the stand-in pads them to 64, as FlashMLA does), topk 64 of a 128-token context: milliseconds a case
 TINY_SPARSE = {"batch": (2,), "heads": (4,), "topk": (64,), "fmt": ("bf16", "V32", "V32_NO_ROPE", "V4"),
                "q_len": (1, 2), "page_size": (64,), "context": (128,)}
@@ -123,7 +123,7 @@ class ClockedSparse(Backend):
     """The CPU stand-in behind a fake clock: each call 'takes' ``seconds``."""
 
     def __init__(self, name: str, clock: FakeClock, seconds: float):
-        self.inner = stand_in_backend()
+        self.inner = sparse_stand_in_backend()
         self.name, self.envelope, self.clock, self.seconds = name, self.inner.envelope, clock, seconds
 
     def prepare(self, problem: SparseDecodeProblem, layout: LayoutSpec = SPARSE_LAYOUT) -> PreparedCall:

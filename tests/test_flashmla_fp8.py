@@ -156,7 +156,7 @@ def test_the_wheel_only_paths_refuse_upstreams_interface_in_one_line() -> None:
     """fp8 and sparse decode exist on SM90 in sgl-flash-mla only: against upstream's interface (no use_legacy)
     they are refused with the install route, not run into a TypeError on every case."""
     from mla_verify.backends.flashmla_sparse import FlashMLASparseBackend
-    from mla_verify.kernels.sparse_mutants import CPU_SPARSE_ENVELOPE
+    from mla_verify.kernels.flashmla_cpu import CPU_SPARSE_ENVELOPE
 
     def upstream_decode(*args: Any, **kwargs: Any) -> Any:  # no use_legacy, no kv_format
         raise AssertionError("a refused backend must not be called")

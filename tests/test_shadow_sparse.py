@@ -1,7 +1,7 @@
 """Shadow mode compares FlashMLA's sparse calls (``indices=``) with the sparse reference: the call read back as
 the problem it came from, a correct kernel quiet, each sparse mutant reported at its call site and named, and
 the indices bounds-checked before the kernel runs. FlashMLA needs a GPU: ``flash_mla`` here is a module holding
-the CPU stand-in with the sgl wheel's sparse calling convention (mla_verify.kernels.sparse_mutants)."""
+the CPU stand-in with the sgl wheel's sparse calling convention (mla_verify.kernels.flashmla_cpu)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from mla_verify.core.dims import R1_SOFTMAX_SCALE
-from mla_verify.kernels.sparse_mutants import SPARSE_MUTANTS, SparseFaults, SparseStandIn
+from mla_verify.kernels.flashmla_cpu import SparseStandIn
+from mla_verify.kernels.mutants import SPARSE_MUTANTS, SparseFaults
 from mla_verify.problems.packed import FORMATS, kernel_view
 from mla_verify.problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
 from mla_verify.problems.sparse_reference import sparse_reference

@@ -13,7 +13,7 @@ from test_cli import FAST, run_main
 
 from mla_verify.core.cli_args import EXIT_INTERRUPTED
 
-MUTANT = "mla_verify.kernels.sparse_mutants:tile_scale_shifted"
+MUTANT = "mla_verify.kernels.mutants:tile_scale_shifted"
 DRAWN = ("--max-examples", "5")  # the corner cases catch the mutant; a few draws show the drawn path runs
 
 
@@ -36,7 +36,7 @@ def test_check_and_replay_a_sparse_mutant(capsys, tmp_path):
     assert code == 1 and "verdict: FAIL (recorded: FAIL)" in out
     # the same case against the correct kernel: the reproducer holds the problem, not the kernel's fault
     code, out, _ = run_main(capsys, "replay", path, "--kernel",
-                            "mla_verify.kernels.sparse_mutants:correct_sparse_kernel")
+                            "mla_verify.kernels.mutants:correct_sparse_kernel")
     assert code == 0 and "verdict: PASS" in out
 
 
@@ -48,7 +48,7 @@ def test_replaying_a_sparse_case_on_a_dense_backend_is_a_usage_error(capsys, tmp
 
 
 def test_check_passes_the_correct_sparse_kernel(capsys, tmp_path):
-    code, out, _ = run_main(capsys, "check", "--kernel", "mla_verify.kernels.sparse_mutants:correct_sparse_kernel",
+    code, out, _ = run_main(capsys, "check", "--kernel", "mla_verify.kernels.mutants:correct_sparse_kernel",
                             "--device", "cpu", "--fixtures-dir", tmp_path, *DRAWN)
     assert code == 0, out
     assert "correct_sparse_kernel: PASS" in out and not list(tmp_path.iterdir())
@@ -60,7 +60,7 @@ def test_a_sparse_backend_that_cannot_run_is_a_usage_error(capsys):
 
 
 def test_two_sparse_kernels_failing_on_one_case_keep_a_reproducer_each(capsys, tmp_path):
-    other = "mla_verify.kernels.sparse_mutants:v_rope_dims"
+    other = "mla_verify.kernels.mutants:v_rope_dims"
     code, out, _ = run_main(capsys, "check", "--kernel", MUTANT, "--kernel", other, "--device", "cpu",
                             "--fixtures-dir", tmp_path, *DRAWN)
     assert code == 1

@@ -67,7 +67,7 @@ def test_a_cuda_error_in_process_is_a_crash_of_the_running_sparse_case(capsys, t
 
 @pytest.mark.parametrize("kernel, verdict", [("correct_sparse_kernel", "pass"), ("tile_scale_shifted", "fail")])
 def test_isolation_gives_the_same_sparse_cases_and_verdicts(kernel, verdict):
-    target = f"mla_verify.kernels.sparse_mutants:{kernel}"
+    target = f"mla_verify.kernels.mutants:{kernel}"
     runs = [verify(named_backend(target), "cpu", "premerge", max_examples=5, isolate=isolate)
             for isolate in (True, False)]
     seen = [[(c.spec.case_id(), c.verdict, c.failures, c.diagnosis) for c in r.cases] for r in runs]

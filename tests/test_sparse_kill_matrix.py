@@ -1,22 +1,28 @@
-"""The sparse kill matrix, through the one pipeline dense kernels go through: each sparse mutant, behind FlashMLA's
-sparse calling convention on CPU (mla_verify.kernels.sparse_mutants), fails premerge with its minimal case at one
-request, and the diagnosis names its misreading -- or says the case cannot tell it from others, never a wrong
-name; each fails its trigger and is named there too; the correct kernel behind the same convention passes
-premerge, or the kills would mean nothing."""
+"""The sparse kill matrix, through the one pipeline dense kernels go through: each sparse mutant -- a kernel of
+FlashMLA's sparse calling convention on CPU (mla_verify.kernels.mutants), called as any such kernel is -- fails
+premerge with its minimal case at one request, and the diagnosis names its misreading, or says the case cannot
+tell it from others, never a wrong name; each fails its trigger and is named there too; the correct kernel of
+the same convention passes premerge, or the kills would mean nothing."""
 import re
 
 import pytest
 
+from mla_verify.backends.user_kernel import kernel_backend, load_kernel
 from mla_verify.draw.sparse_strategies import sparse_corner_cases
 from mla_verify.judge.diagnose import CANDIDATES
 from mla_verify.judge.sparse_catalog import CATALOG, SINK_IN_LSE
-from mla_verify.kernels.sparse_mutants import SPARSE_MUTANTS, SparseFaults, stand_in_backend
+from mla_verify.kernels.mutants import SPARSE_MUTANTS, FaultySparseKernel, SparseFaults
 from mla_verify.problems.sparse import SPARSE_LAYOUT
 from mla_verify.run.engine import verify
 from mla_verify.run.harness import run_case
 
 # premerge's corner cases catch every mutant; 12 drawn cases on top keep the CPU time small
 DRAWN = 12
+
+
+def mutant(name: str):
+    """The kernel ``--kernel mla_verify.kernels.mutants:<name>`` runs."""
+    return load_kernel(f"mla_verify.kernels.mutants:{name}")
 
 
 def named(diagnosis: list[str]) -> tuple[bool, set[str]]:
@@ -26,9 +32,9 @@ def named(diagnosis: list[str]) -> tuple[bool, set[str]]:
 
 
 def test_the_correct_kernel_passes_premerge():
-    result = verify(stand_in_backend(), "cpu", "premerge", max_examples=DRAWN)
+    result = verify(mutant("correct_sparse_kernel"), "cpu", "premerge", max_examples=DRAWN)
     assert result.verdict == "pass", result.failure and (result.failure.describe(), result.failure.failures)
-    corners = len(sparse_corner_cases(stand_in_backend().envelope))
+    corners = len(sparse_corner_cases(mutant("correct_sparse_kernel").envelope))
     assert sum(c.verdict == "pass" for c in result.cases) >= corners  # the corner cases ran, not skipped
 
 
@@ -36,7 +42,7 @@ def test_the_correct_kernel_passes_premerge():
 def test_the_trigger_fails_and_the_diagnosis_names_the_mutant(name):
     m = SPARSE_MUTANTS[name]
     assert m.diagnosis in CATALOG or m.diagnosis == SINK_IN_LSE
-    case = run_case(stand_in_backend(m.faults, name), m.trigger, SPARSE_LAYOUT, "cpu")
+    case = run_case(mutant(name), m.trigger, SPARSE_LAYOUT, "cpu")
     assert case.verdict == "fail"
     assert named(case.diagnosis) == (False, {m.diagnosis}), case.diagnosis
 
@@ -44,7 +50,7 @@ def test_the_trigger_fails_and_the_diagnosis_names_the_mutant(name):
 @pytest.mark.parametrize("name", sorted(SPARSE_MUTANTS))
 def test_premerge_kills_mutant_at_one_request_and_names_it(name):
     m = SPARSE_MUTANTS[name]
-    result = verify(stand_in_backend(m.faults, name), "cpu", "premerge", max_examples=DRAWN)
+    result = verify(mutant(name), "cpu", "premerge", max_examples=DRAWN)
     assert result.verdict == "fail", f"mutant {name} survived {len(result.cases)} premerge cases"
     failure = result.failure
     assert failure.spec.batch == 1, failure.describe()  # shrunk like a drawn failure, a corner case too
@@ -53,7 +59,7 @@ def test_premerge_kills_mutant_at_one_request_and_names_it(name):
 
 
 def test_premerge_is_deterministic():
-    backend = stand_in_backend(SparseFaults(use_topk_length=False), "topk_length_ignored")
+    backend = kernel_backend(FaultySparseKernel(SparseFaults(use_topk_length=False)), "topk_length_ignored")
     runs = [verify(backend, "cpu", "premerge", max_examples=DRAWN) for _ in range(2)]
     assert [(c.id, c.verdict) for c in runs[0].cases] == [(c.id, c.verdict) for c in runs[1].cases]
     assert runs[0].failure is not None and runs[0].failure.id == runs[1].failure.id
@@ -62,7 +68,7 @@ def test_premerge_is_deterministic():
 def test_a_drawn_failure_is_shrunk_and_named():
     # the dev profile has no corner cases: the failure is drawn, then shrunk to the plainest problem that still
     # has a -1 entry -- one request, one head, topk 64 -- and diagnosed there
-    backend = stand_in_backend(SPARSE_MUTANTS["minus1_unmasked"].faults, "minus1_unmasked")
+    backend = mutant("minus1_unmasked")
     result = verify(backend, "cpu", "dev", max_examples=30)
     shrunk = result.failure
     assert shrunk is not None

@@ -1,4 +1,5 @@
-"""FlashMLA's calling conventions on CPU, both of them: upstream's and the sgl-flash-mla wheel's, in PyTorch.
+"""FlashMLA's calling conventions on CPU, both of them: upstream's and the sgl-flash-mla wheel's, in PyTorch; and
+the wheel's sparse one (``SparseStandIn``, computed by ``mutants.FaultySparseKernel``).
 
 A test double for the ``flashmla`` backends. ``FlashMLAStandIn`` takes exactly what upstream FlashMLA (9241ae3)
 takes; ``WheelStandIn`` what sgl-flash-mla 1.0.0 takes (``use_legacy``, ``descale_q``/``descale_k``,
@@ -36,12 +37,15 @@ import torch
 from ..backends.base import Envelope
 from ..backends.flashmla import FLASHMLA_ENVELOPE, FLASHMLA_FP8_ENVELOPE, FlashMLABackend
 from ..backends.flashmla_api import FlashMLAApi
+from ..backends.flashmla_sparse import FLASHMLA_SPARSE_ENVELOPE, FlashMLASparseBackend
+from ..problems.envelope import SparseEnvelope
 from ..problems.problem import FP8
-from .mutants import FaultyKernel, correct_kernel
+from .mutants import FaultyKernel, FaultySparseKernel, SparseFaults, correct_kernel
 
 HEAD_DIM_V = 512
 CPU_ENVELOPE = FLASHMLA_ENVELOPE.narrowed(devices=("cpu",), archs=None)
 CPU_FP8_ENVELOPE = FLASHMLA_FP8_ENVELOPE.narrowed(devices=("cpu",), archs=None)
+CPU_SPARSE_ENVELOPE = replace(FLASHMLA_SPARSE_ENVELOPE, devices=("cpu",), archs=None)
 
 
 @dataclass
@@ -240,3 +244,25 @@ def stand_in_backend(kernel: FaultyKernel = correct_kernel, envelope: Envelope =
     name = f"flashmla{'-fp8' * fp8}-cpu[{interface}:{kernel.__name__}]"
     return FlashMLABackend(name, stand_in_api(stand_in), envelope,
                            f"FlashMLA's {interface} calling convention on CPU, computed by {kernel.__name__}", fp8)
+
+
+class SparseStandIn:
+    """The wheel's sparse entry points, ``get_mla_metadata`` and ``flash_mla_with_kvcache(..., indices=...)``,
+    computed on CPU by a ``mutants.FaultySparseKernel`` with ``faults`` (the correct one by default): a stand-in
+    for the ``flash_mla`` module (shadow mode's tests) or behind the ``flashmla-sparse`` backend's own code."""
+
+    def __init__(self, faults: SparseFaults = SparseFaults(), name: str = "correct_sparse_kernel"):
+        self.flash_mla_with_kvcache = FaultySparseKernel(faults, name)
+        self.__name__ = name
+
+    def get_mla_metadata(self, *args: Any, **kwargs: Any) -> tuple[object, None]:
+        return object(), None
+
+
+def sparse_stand_in_backend(faults: SparseFaults = SparseFaults(), name: str = "correct_sparse_kernel",
+                            envelope: SparseEnvelope = CPU_SPARSE_ENVELOPE) -> FlashMLASparseBackend:
+    """The ``flashmla-sparse`` backend on CPU, calling the wheel's sparse interface as ``SparseStandIn`` has it."""
+    stand_in = SparseStandIn(faults, name)
+    return FlashMLASparseBackend(f"flashmla-sparse-cpu[{name}]",
+                                 FlashMLAApi(stand_in.get_mla_metadata, stand_in.flash_mla_with_kvcache), envelope,
+                                 f"FlashMLA's sparse calling convention on CPU, computed by {name}")

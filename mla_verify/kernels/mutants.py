@@ -12,6 +12,16 @@ The kernel computes like a flash-decoding kernel: fp32 scores over the paged cac
 
 Each mutant is importable as ``mla_verify.kernels.mutants:<name>`` (``--kernel``), and usable with
 ``TrtllmStyleBackend(name, MUTANTS[name].fn)``.
+
+Sparse (top-k) decode has its mutants too, the same way: ``FaultySparseKernel`` is a small correct CPU/PyTorch
+kernel with FlashMLA's sparse calling convention (Contract 1's ``flashmla-sparse``: the sgl-flash-mla wheel's
+``flash_mla_with_kvcache(..., indices=...)`` over the packed pool ``[pages, page, 1, bytes]``, with ``indices``,
+``topk_length``, ``attn_sink``, ``kv_format``), refusing what the wheel's sparse path refuses (h_q 64/128, topk a
+multiple of 64, no dynamic topk_length for V3.2, 528 bytes without ``kv_format``) and computing in fp32 with the
+SM90 dequant (problems/packed.py) -- unless one field of ``SparseFaults`` says otherwise. ``SPARSE_MUTANTS`` are
+those faults, each with a small trigger problem and the sparse catalogue's misreading (judge/sparse_catalog.py)
+expected to name it; ``mla_verify.kernels.mutants:<name>`` is the kernel, which ``--kernel`` calls by its
+convention, read from its signature (backends/user_kernel.py).
 """
 from __future__ import annotations
 
@@ -22,9 +32,12 @@ from typing import Any
 
 import torch
 
+from ..backends.flashmla_sparse import FLASHMLA_HEADS, WHEEL_FORMAT_BY_BYTES
 from ..core.dims import R1_SOFTMAX_SCALE
 from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, canonical_cache, padded_width
+from ..problems.packed import FORMATS, FP8, dequantize, next_tile, truncated_to_pow2
+from ..problems.sparse import SparseSpec
 
 SPLIT_TOKENS = 128  # split-KV chunk length: sequences longer than this are merged across chunks
 
@@ -239,8 +252,145 @@ _ALL = [
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _ALL}
 
 
-def __getattr__(name: str) -> FaultyKernel:
-    """``mla_verify.kernels.mutants:<mutant name>`` resolves to that mutant's kernel."""
+# ------------------------------------------------------------------------------------------------------------ sparse
+def _stored(scales: torch.Tensor) -> torch.Tensor:
+    return scales
+
+
+@dataclass(frozen=True)
+class SparseFaults:
+    """One field per place a sparse kernel goes wrong; every default is the correct behaviour."""
+
+    indices_as_pages: bool = False  # an index taken for a page id: slot = index * page_size
+    mask_minus1: bool = True  # -1 entries masked (else read as slot -1: the pool's last row)
+    use_topk_length: bool = True  # entries at or past topk_length masked
+    sink_in_lse: bool = False  # the sink added into the returned LSE
+    scales: Any = _stored  # stored scales -> the scales used
+    rope_fp8: bool = False  # the bf16 rope dims rounded to fp8 as if quantized
+    v_offset: int = 0  # V read from dims [v_offset, v_offset + 512) (64: the rope dims included)
+    empty_rows_zero: bool = True  # a row with no valid entry gives 0 and +inf (else 0/0: NaN)
+
+
+def _refuse(ok: bool, message: str) -> None:
+    if not ok:
+        raise RuntimeError(message)
+
+
+class FaultySparseKernel:
+    """The wheel's sparse ``flash_mla_with_kvcache``, computed on CPU, with the faults of ``faults``."""
+
+    def __init__(self, faults: SparseFaults = SparseFaults(), name: str = "correct_sparse_kernel",
+                 description: str = "FlashMLA's sparse calling convention on CPU"):
+        self.faults, self.__name__, self.__doc__ = faults, name, description
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: Any, cache_seqlens: Any,
+                               head_dim_v: int, tile_scheduler_metadata: Any, num_splits: None = None,
+                               softmax_scale: float | None = None, causal: bool = False,
+                               is_fp8_kvcache: bool | None = None, indices: torch.Tensor | None = None,
+                               attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+                               kv_format: str | None = None, use_legacy: bool = False,
+                               **unused: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        assert indices is not None and not causal and is_fp8_kvcache is not False, "the stand-in is sparse only"
+        assert not any(v is not None for v in unused.values()), f"not taken by the stand-in: {sorted(unused)}"
+        _refuse(q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[2] in FLASHMLA_HEADS,
+               "q must be bf16 [b, s_q, h_q, d] with h_q 64 or 128")
+        _refuse(k_cache.dim() == 4 and k_cache.shape[2] == 1 and k_cache.element_size() == 1, "k_cache: h_k must be 1")
+        _refuse(indices.dtype == torch.int32 and indices.shape[-1] % 64 == 0, "topk must be a multiple of 64")
+        _refuse(head_dim_v == 512, "head_dim_v must be 512")
+        width = k_cache.shape[-1]
+        fmt_name = kv_format or WHEEL_FORMAT_BY_BYTES.get(width, "V41")
+        _refuse(fmt_name in FORMATS and FORMATS[fmt_name].bytes_per_token == width,
+               f"{width}-byte rows as {fmt_name}: not a format SM90 runs")
+        _refuse(topk_length is None or fmt_name != "V32", "V3.2 does not support dynamic topk length")
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return self._compute(q, k_cache, FORMATS[fmt_name], indices, topk_length, attn_sink, scale)
+
+    def _compute(self, q: torch.Tensor, k_cache: torch.Tensor, fmt: Any, indices: torch.Tensor,
+                 topk_length: torch.Tensor | None, sink: torch.Tensor | None,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.faults
+        P, page = k_cache.shape[:2]
+        pool = k_cache.view(torch.uint8).as_strided((P, k_cache.stride(0)), (k_cache.stride(0), 1))
+        rows = dequantize(pool, fmt, page, "sm90", f.scales)
+        if f.rope_fp8:
+            rows[..., fmt.nope:] = rows[..., fmt.nope:].to(FP8).to(torch.bfloat16)
+        # past its pool a kernel reads memory it was not given: here NaN, the suite's poison for what a kernel must
+        # not read (a GPU kernel reads garbage there, or faults)
+        flat = torch.cat([rows.reshape(P * page, -1).float(), torch.full_like(rows[0, :1].float(), float("nan"))])
+        idx = indices.long()
+        slots = (idx * page).clamp(max=P * page) if f.indices_as_pages else idx % (P * page)  # -1: the last row
+        masked = idx == -1 if f.mask_minus1 else torch.zeros_like(idx, dtype=torch.bool)
+        if topk_length is not None and f.use_topk_length:
+            masked |= torch.arange(idx.shape[-1]) >= topk_length.long()[:, None, None]
+        kv = flat[slots].masked_fill(masked[..., None], 0.0)  # [B, Q, K, D]; masked rows zeroed, as SM90 does
+        scores = torch.einsum("bqhd,bqkd->bqhk", q.float(), kv) * scale
+        scores = scores.masked_fill(masked[:, :, None, :], float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        e = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))
+        total = e.sum(-1)
+        out = torch.einsum("bqhk,bqkd->bqhd", e, kv[..., f.v_offset:f.v_offset + 512]) / total[..., None]
+        lse = top[..., 0] + torch.log(total)
+        if sink is not None:
+            out = out * torch.sigmoid(lse - sink)[..., None]
+            if f.sink_in_lse:
+                lse = torch.logaddexp(lse, sink)
+        if f.empty_rows_zero:  # after the sink: an empty row's -inf lse against a -inf sink would give NaN
+            out = out.masked_fill((total == 0)[..., None], 0.0)
+            lse = lse.masked_fill(total == 0, float("inf"))
+        return out.to(torch.bfloat16), lse.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class SparseMutant:
+    name: str
+    description: str
+    faults: SparseFaults
+    diagnosis: str  # the judge/sparse_catalog.py misreading expected to name it
+    trigger: SparseSpec  # a small problem that shows the fault
+
+    @property
+    def fn(self) -> FaultySparseKernel:
+        return FaultySparseKernel(self.faults, self.name, self.description)
+
+
+# Triggers: 64 heads (no padding to hide behind), topk 64 over 4 pages of 64; variations add what a fault needs.
+_SPARSE_BASE = SparseSpec(batch=2, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.2)
+
+_ALL_SPARSE = [
+    # 2 used pages of 2 slots among 64: seed 10 (found by search) puts both in the pool's first half, so
+    # index * 2 stays inside the pool (on NaN slots); duplicates and no -1 keep minus1_read from fitting too
+    SparseMutant("indices_as_page_ids", "takes each index for a page id (slot = index * page_size)",
+                 SparseFaults(indices_as_pages=True), "indices_as_page_ids",
+                 replace(_SPARSE_BASE, page_size=2, used_pages=2, extra_pages=62, invalid=0.0, duplicates=True,
+                         seed=10)),
+    SparseMutant("minus1_unmasked", "reads -1 entries as slot -1 (the pool's last row) instead of masking them",
+                 SparseFaults(mask_minus1=False), "minus1_read", _SPARSE_BASE),
+    SparseMutant("topk_length_ignored", "attends to every entry, past topk_length too",
+                 SparseFaults(use_topk_length=False), "topk_length_ignored",
+                 replace(_SPARSE_BASE, fmt="V4", invalid=0.0, topk=128, topk_lengths=(40, 100))),
+    SparseMutant("sink_in_lse", "adds the attention sink into the returned LSE",
+                 SparseFaults(sink_in_lse=True), "sink_in_lse", replace(_SPARSE_BASE, sink="finite")),
+    SparseMutant("scales_pow2", "cuts fp32 scales to powers of two (an e8m0 cast)",
+                 SparseFaults(scales=truncated_to_pow2), "scales_pow2", replace(_SPARSE_BASE, scales="amax")),
+    SparseMutant("tile_scale_shifted", "reads each 128-value tile with the next tile's scale",
+                 SparseFaults(scales=next_tile), "tile_scale_shifted", replace(_SPARSE_BASE, values="extreme")),
+    # a larger softmax scale: the rope part's fp8 rounding then moves the softmax well past bf16's noise
+    SparseMutant("rope_quantized", "rounds the bf16 rope dims to fp8 as if they were quantized",
+                 SparseFaults(rope_fp8=True), "rope_quantized", replace(_SPARSE_BASE, softmax_scale=0.5)),
+    SparseMutant("v_rope_dims", "takes V from dims 64..575 (the rope dims included) instead of 0..511",
+                 SparseFaults(v_offset=64), "v_rope_dims", _SPARSE_BASE),
+    SparseMutant("empty_row_nan", "divides 0 by 0 for a row with no valid entry (NaN, not 0)",
+                 SparseFaults(empty_rows_zero=False), "empty_row_nan",
+                 replace(_SPARSE_BASE, fmt="V4", topk_lengths=(0, 64))),
+]
+SPARSE_MUTANTS: dict[str, SparseMutant] = {m.name: m for m in _ALL_SPARSE}
+correct_sparse_kernel = FaultySparseKernel()
+
+
+def __getattr__(name: str) -> FaultyKernel | FaultySparseKernel:
+    """``mla_verify.kernels.mutants:<mutant name>`` resolves to that mutant's kernel, dense or sparse."""
     if name in MUTANTS:
         return MUTANTS[name].fn
+    if name in SPARSE_MUTANTS:
+        return SPARSE_MUTANTS[name].fn
     raise AttributeError(f"module 'mla_verify.kernels.mutants' has no attribute {name!r}")
