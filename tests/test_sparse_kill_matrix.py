@@ -74,3 +74,25 @@ def test_a_drawn_failure_is_shrunk_and_named():
     assert shrunk is not None
     assert (shrunk.spec.batch, shrunk.spec.num_heads, shrunk.spec.topk, shrunk.spec.q_len) == (1, 1, 64, 1)
     assert named(shrunk.diagnosis) == (False, {"minus1_read"}), shrunk.diagnosis
+
+
+def test_the_sparse_metamorphic_relations_are_judged_as_each_allows():
+    """The pool's pages moved must keep the bits; a row's entries reordered changes the order of the sum, so it is
+    judged by the tolerance model -- and a kernel whose answer changes with where a row's -1 entries sit fails it."""
+    spec = SPARSE_MUTANTS["minus1_unmasked"].trigger  # -1 entries scattered through each row
+    correct = mutant("correct_sparse_kernel")
+    judged = {t: run_case(correct, spec, SPARSE_LAYOUT, "cpu", t) for t in ("pages", "topk_order", "minus1_moved")}
+    assert {t: (r.verdict, r.invariance) for t, r in judged.items()} == {
+        "pages": ("pass", "bits"), "topk_order": ("pass", "tolerance"), "minus1_moved": ("pass", "tolerance")}
+
+    kernel = FaultySparseKernel()
+
+    def leading_minus1_wrong(*args, indices=None, **kwargs):  # right unless a row starts with -1
+        out, lse = kernel(*args, indices=indices, **kwargs)
+        return (out * 2 if bool((indices[..., 0] == -1).any()) else out), lse
+
+    backend = kernel_backend(leading_minus1_wrong, "leading_minus1_wrong", "flashmla-sparse")
+    assert run_case(backend, spec, SPARSE_LAYOUT, "cpu").verdict == "pass"  # no row of the trigger starts with -1
+    moved = run_case(backend, spec, SPARSE_LAYOUT, "cpu", "minus1_moved")
+    assert moved.verdict == "fail" and moved.reason.startswith(
+        "with each row's -1 entries moved to its front: max |out - ref|"), moved.failures

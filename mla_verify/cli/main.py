@@ -225,7 +225,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
         _print_warmup("  warm-up in its worker", result.warmup)
         if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
             print(f"  {resolution_line(result.backend, resolved)}", flush=True)
-        if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result))):
+        if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result)), result.kind):
             print(f"  {claimed}", flush=True)
         print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
         results.append(result)

@@ -477,13 +477,15 @@ def invariance_counts(cases: Iterable[Any]) -> dict[str, int]:
     return dict(Counter(c.invariance for c in cases if c.invariance).most_common())
 
 
-def invariance_line(backend: str, counts: dict[str, int]) -> str | None:
+def invariance_line(backend: str, counts: dict[str, int], kind: str = "dense") -> str | None:
     """E.g. "flashmla: batch order judged within tolerance (its claim) on 12 cases, bits on 30"; None when every
-    metamorphic check compared bits."""
+    metamorphic check compared bits. A sparse backend's are the relations that reorder a row's sum."""
     n = counts.get("tolerance", 0)
     if not n:
         return None
-    return (f"{backend}: batch order judged within tolerance (its claim) on {n} case{'s' * (n != 1)}, "
+    what = "batch order judged within tolerance (its claim)" if kind == "dense" else \
+        "a row's reordered entries judged within tolerance (the order of the sum changes)"
+    return (f"{backend}: {what} on {n} case{'s' * (n != 1)}, "
             f"the other metamorphic checks bit for bit on {counts.get('bits', 0)}")
 
 
