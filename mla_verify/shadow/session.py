@@ -299,7 +299,8 @@ class ShadowSession:
         base = call.contract.lse_base if call.return_lse else None
         diagnosis = self._guarded(tally, lambda: explain(problem, out, lse, base)) or []
         if not isinstance(problem, DecodeProblem) or layout is None:
-            return diagnosis, (None, "reproducer not kept: a live sparse call has no reproducer format yet")
+            return diagnosis, (None, "reproducer not kept: a live sparse call has no spec to rebuild it from, and "
+                                     "sparse tensors are not stored yet")
         record = {"entry": entry.label, "call_site": site, "backend": call.replay, "reason": verdict.failures[0],
                   "failures": verdict.failures, "diagnosis": diagnosis, "findings": [str(f) for f in findings],
                   "stats": None if verdict.stats is None else verdict.stats.to_json(), "mode": self.mode}
