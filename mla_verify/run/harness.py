@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -178,25 +178,14 @@ def run_case(backend: Backend, spec: Any, layout: LayoutSpec, device: torch.devi
     return result
 
 
-class Verdict(Protocol):
-    """What a crash sets on a case's result."""
-
-    verdict: str
-    reason: str
-    failures: list[str]
-    diagnosis: list[str]
-    crash: str
-
-
-def crashed(result: Verdict, what: str, stage: str) -> None:
+def crashed(result: CaseResult, what: str, stage: str) -> None:
     """Make ``result`` the failure of a case whose kernel crashed (``what``: the signal or error) in ``stage``."""
     result.crash = what
     result.verdict = "fail"
     result.reason = f"the kernel crashed: {what}" + (f" (in stage '{stage}')" if stage else "")
     result.failures = [result.reason]
-    result.diagnosis = []
-    if isinstance(result, CaseResult):  # no output, and no problem: the device it was on may be unusable
-        result.out, result.lse, result.problem = None, None, None
+    result.diagnosis = []  # no output, and no problem: the device it was on may be unusable
+    result.out, result.lse, result.problem = None, None, None
 
 
 def hung_line(timeout: KernelTimeout) -> str:
