@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -51,7 +52,7 @@ class Journal:
                 barrier.wait()  # returns only while the other library's builder is running too
             if error is not None:
                 raise error
-        return build
+        return warming_backends.in_background(build)
 
     def module(self, name: str, build: Any, load_error: Exception | None = None) -> WarmupModule:
         def load() -> None:
@@ -127,6 +128,7 @@ def journal(monkeypatch: pytest.MonkeyPatch) -> Journal:
     """``check --kernel`` whose kernel declares two modules; the journal also logs each case as it starts."""
     j = Journal()
 
+    @warming_backends.in_background
     def slow_build(specs: Sequence[Any]) -> None:
         j.builder("fake")(specs)
         time.sleep(0.3)  # long enough to tell the phase's time apart from zero
@@ -163,6 +165,7 @@ def test_check_warms_up_once_before_the_first_case_and_reports_it_apart(journal:
 
 
 def test_a_failed_warm_up_is_a_line_and_the_cases_still_run(monkeypatch, capsys) -> None:
+    @warming_backends.in_background
     def broken(specs: Sequence[Any]) -> None:
         raise RuntimeError("ninja: build stopped: subcommand failed.\nFAILED: batch_mla_run.cuda.o")
 
@@ -198,19 +201,20 @@ def test_flashinfer_wrappers_declare_a_module_per_kernel_dtype_and_dims_they_can
     assert declared["fa-auto"] == declared["fa2"] | declared["fa3"]  # auto runs one of the two: both are warmed
 
 
-def test_a_failed_flashinfer_build_names_the_compiler_s_first_error(monkeypatch) -> None:
-    import flashinfer.jit.core
+def test_a_failed_flashinfer_build_names_the_compiler_s_first_error(monkeypatch, tmp_path) -> None:
+    import flashinfer.jit.cpp_ext
 
     from mla_verify.backends.flashinfer_jit import build_all
 
-    def ninja_failed(specs: list[Any]) -> None:  # what FlashInfer 0.7.4's run_ninja raises
+    def ninja_failed(*args: Any, **kwargs: Any) -> None:  # what FlashInfer 0.7.4's run_ninja raises
         raise RuntimeError("Ninja build failed. Ninja output:\n[1/3] nvcc -c batch_mla_run.cu\n"
                            'batch_mla_run.cu(12): error: identifier "x" is undefined\n1 error detected')
 
-    monkeypatch.setattr(flashinfer.jit.core, "build_jit_specs", ninja_failed)
-    with pytest.raises(RuntimeError) as raised:
-        build_all(["spec"])
-    assert str(raised.value).splitlines()[0] == \
+    monkeypatch.setattr(flashinfer.jit.cpp_ext, "run_ninja", ninja_failed)
+    spec = SimpleNamespace(name="m", sources=["a.cu"], lock_path=tmp_path / "m.lock", aot_path=tmp_path / "none",
+                           write_ninja=lambda: None, build_dir=tmp_path, ninja_path=tmp_path / "build.ninja")
+    build, = build_all([spec])
+    assert str(build.exception(timeout=60)).splitlines()[0] == \
         'Ninja build failed. First error: batch_mla_run.cu(12): error: identifier "x" is undefined'
 
 

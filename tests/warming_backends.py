@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -30,6 +32,27 @@ def _write(step: str, detail: Any = None) -> None:
         journal.write(json.dumps({"step": step, "pid": os.getpid(), "detail": detail}) + "\n")
 
 
+def in_background(build: Callable[[Sequence[Any]], None]) -> Callable[[Sequence[Any]], list[Future[None]]]:
+    """A builder (``WarmupModule.build``) that runs ``build`` over all its modules in a thread and returns at
+    once: one future per module, each ending as ``build`` does."""
+    def start(specs: Sequence[Any]) -> list[Future[None]]:
+        futures = [Future[None]() for _ in specs]
+
+        def run() -> None:
+            try:
+                build(specs)
+            except Exception as exc:  # noqa: BLE001 - each module's build failed with it
+                for f in futures:
+                    f.set_exception(exc)
+            else:
+                for f in futures:
+                    f.set_result(None)
+        threading.Thread(target=run).start()
+        return futures
+    return start
+
+
+@in_background
 def _build(specs: Sequence[str]) -> None:
     _write("build", sorted(specs))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,15 +63,19 @@ class PreparedCall:
 class WarmupModule:
     """A compiled module a backend's cases load, made ready before the first case (run/warmup.py).
 
-    ``build`` takes every pending module of one library at once (so that library's tool, e.g. ninja, spreads
-    the compiles over the host's cores); builders of different libraries run side by side. ``load`` then brings
-    the built module into this process. Modules are keyed by ``name``: one shared by two backends is made once.
+    ``build`` takes every pending module of one library at once (so that it can share the host's cores among
+    them), starts building them and returns at once, one future per module, done when that module is built;
+    before it returns, each module is locked against other processes' loads, which then wait for its build
+    (``ready`` returns once no process is building it). Builders of different libraries run side by side.
+    ``load`` then brings the built module into this process. Modules are keyed by ``name``: one shared by two
+    backends is made once.
     """
 
     name: str
     spec: Any  # what ``build`` compiles (FlashInfer: a JitSpec)
-    build: Callable[[Sequence[Any]], None]
+    build: Callable[[Sequence[Any]], Sequence[Future[None]]]
     load: Callable[[], Any]
+    ready: Callable[[], None] | None = None  # None: nothing to wait for (no lock between processes)
 
 
 class Backend(ABC):
