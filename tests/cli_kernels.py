@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 
 # Tiny problems only: each case takes milliseconds on a 2-core machine.
@@ -31,3 +33,15 @@ def gpu_only(*args: Any, **kwargs: Any) -> Any:
 
 
 gpu_only.mla_verify_envelope = {**SMALL_ENVELOPE, "devices": ["cuda"]}
+
+
+def needs_cuda(*args: Any, **kwargs: Any) -> Any:
+    """The CPU peer, refused where torch refuses CUDA: in a process forked from one that initialised CUDA
+    (tests/test_worker_start.py fakes such a parent on a machine without CUDA)."""
+    if torch.cuda._is_in_bad_fork():
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you "
+                           "must use the 'spawn' start method")
+    return cpu_peer_decode(*args, **kwargs)
+
+
+needs_cuda.mla_verify_envelope = SMALL_ENVELOPE

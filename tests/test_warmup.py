@@ -233,23 +233,33 @@ def test_steps_can_be_taken_apart_built_in_one_process_and_loaded_in_another() -
     assert "over 2 worker starts" in again.describe()
 
 
+def check_with_plugins(tmp_path: Path, *argv: str) -> tuple[subprocess.Popen[str], str]:
+    """``check --device cpu --isolate ARGV`` with tests/warming_backends.py's backends installed as a plugin
+    (pip's way: an entry point), its journal at tmp_path/journal.jsonl; the process and its output."""
+    site = tmp_path / "site" / "warm_journal-0.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: warm-journal\nVersion: 0\n")
+    (site / "entry_points.txt").write_text(
+        "[mla_verify.backends]\n" + "".join(f"{name} = warming_backends:{factory}\n" for name, factory in (
+            (warming_backends.NAME, "make_backend"), (warming_backends.FIRST, "make_first"),
+            (warming_backends.LATER, "make_later"))))
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, warming_backends.JOURNAL_ENV: str(tmp_path / "journal.jsonl"),
+           "PYTHONPATH": os.pathsep.join([str(site.parent), str(tests.parent), str(tests)])}
+    proc = subprocess.Popen([sys.executable, "-m", "mla_verify.cli", "check", "--device", "cpu", "--isolate",
+                             "--fixtures-dir", str(tmp_path / "fx"), *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    return proc, out
+
+
 def test_isolated_cases_are_judged_in_workers_that_load_the_modules_this_process_built(tmp_path: Path) -> None:
     """`check --isolate` with a plugin backend whose steps write down their process: built once in the check
     process, loaded in each worker -- the first and each restarted after a segfault -- before its first case,
     never in the check process; the workers' warm-up reported apart from the cases."""
-    site = tmp_path / "site" / "warm_journal-0.dist-info"  # a plugin as pip installs one: its entry point
-    site.mkdir(parents=True)
-    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: warm-journal\nVersion: 0\n")
-    (site / "entry_points.txt").write_text("[mla_verify.backends]\nwarm-journal = warming_backends:make_backend\n")
-    tests = Path(__file__).resolve().parent
     journal, report = tmp_path / "journal.jsonl", tmp_path / "r.json"
-    env = {**os.environ, warming_backends.JOURNAL_ENV: str(journal),
-           "PYTHONPATH": os.pathsep.join([str(site.parent), str(tests.parent), str(tests)])}
-    proc = subprocess.Popen([sys.executable, "-m", "mla_verify.cli", "check", "--backend", warming_backends.NAME,
-                             "--device", "cpu", "--isolate", "--profile", "premerge", "--report", str(report),
-                             "--fixtures-dir", str(tmp_path / "fx")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=600)
+    proc, out = check_with_plugins(tmp_path, "--backend", warming_backends.NAME, "--profile", "premerge",
+                                   "--report", str(report))
     assert proc.returncode == 1 and "the kernel crashed: killed by SIGSEGV" in out, out
     events = [json.loads(line) for line in journal.read_text().splitlines()]
     modules = sorted(warming_backends.MODULES)
@@ -268,3 +278,21 @@ def test_isolated_cases_are_judged_in_workers_that_load_the_modules_this_process
     assert f"2 module(s) for {warming_backends.NAME}" in line and f"over {len(workers)} worker starts" in line
     throughput = json.loads(report.read_text())["run"]["throughput"][warming_backends.NAME]
     assert throughput["warmup_s"] >= len(workers) * len(modules) * warming_backends.LOAD_S  # each load's sleep
+
+
+def test_every_backend_s_worker_warms_up_at_once_and_the_first_is_judged_while_later_ones_build(tmp_path) -> None:
+    """`check --isolate` over two backends: the later one's worker starts with the first's, and waits for its
+    module while this process builds it (its load then waits on the module's lock, as FlashInfer's getter
+    does); that build ends only once the first backend has judged a case (warming_backends), which a run
+    that warmed backends one after the other, or built everything before the first case, never does."""
+    proc, out = check_with_plugins(tmp_path, "--backend", warming_backends.FIRST, "--backend",
+                                   warming_backends.LATER, "--profile", "dev", "--max-examples", "3")
+    assert proc.returncode == 0, out
+    events = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    when = {e["step"]: e["t"] for e in reversed(events)}  # each step's first time
+    assert when["waiting"] < when[f"case {warming_backends.FIRST}"] < when["built"], events
+    assert [e["pid"] for e in events if e["step"] == "built"] == [proc.pid]  # built in the check process
+    later_load, = [e for e in events if e["detail"] == "later-module" and e["step"] == "load"]
+    assert later_load["pid"] != proc.pid and later_load["t"] > when["built"]
+    line, = [ln for ln in out.splitlines() if ln.startswith("  warm-up in its worker: 1 module(s) for warm-later")]
+    assert "waited" in line and "for the build" in line, line

@@ -57,6 +57,7 @@ class _Module:
 
         self.spec, self.future = spec, Future[None]()
         self.jobs = max(1, len(spec.sources))
+        self.started = False
         self.lock = FileLock(spec.lock_path, thread_local=False)
         try:
             self.lock.acquire(timeout=0)
@@ -85,6 +86,18 @@ class _Module:
 
 def _schedule(modules: list[_Module], jobs: int) -> None:
     """Starts each module's build once its jobs are free (run/warmup.py waits for their futures)."""
+    try:
+        _start_in_turn(modules, jobs)
+    except BaseException as exc:  # e.g. no thread could start: a future never done would hang the warm-up
+        for module in modules:
+            if not module.started:
+                module.future.set_exception(exc)
+                if module.claimed:
+                    module.lock.release()
+        raise
+
+
+def _start_in_turn(modules: list[_Module], jobs: int) -> None:
     free = jobs
     changed = threading.Condition()
 
@@ -105,6 +118,7 @@ def _schedule(modules: list[_Module], jobs: int) -> None:
                     queue.remove(module)
                     threading.Thread(target=run, args=(module, taken), name=f"mla-verify build {module.spec.name}",
                                      ).start()
+                    module.started = True
             if queue:
                 changed.wait()
 

@@ -160,20 +160,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..judge.selfcheck import reference_selfcheck
     from ..records.failure import failure_lines, in_flight_note, in_flight_path, record_in_flight, save_reproducer
     from ..records.fixtures import check_writable_dir
-    from ..records.report import (
-        build_report,
-        check_report_path,
-        distinct_cases,
-        invariance_counts,
-        invariance_line,
-        resolution_line,
-        resolutions,
-        write_report,
-    )
+    from ..records.report import build_report, check_report_path, write_report
     from ..run import stage_times, watchdog
     from ..run.engine import verify
+    from ..run.isolate import case_judge
     from ..run.progress import Progress
-    from ..run.warmup import warm_up
+    from ..run.warmup import start_warm_up
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -194,45 +186,56 @@ def cmd_check(ns: argparse.Namespace) -> int:
     in_flight = in_flight_path(ns.fixtures_dir)
 
     started = time.monotonic()
-    selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
-    print(f"reference self-check: {selfcheck.describe()}", flush=True)
-    results = []
-    for backend, reason in backends:
-        if reason is not None:
-            print(f"skipped {backend.name}: {reason}", flush=True)
-    # built here once; loaded here, or in each case worker as it starts where cases are isolated (warmup.py)
-    warmup = warm_up([b for b, reason in backends if reason is None], device, load=not isolate)
-    _print_warmup("warm-up", warmup)
-    for backend, reason in backends:
-        if reason is not None:
-            results.append(verify(backend, device, profile))  # records the backend as unavailable
-            continue
-        if not isolate:
-            print(in_flight_note(in_flight), flush=True)
-        with Progress(backend.name, ns.minutes or profile.minutes, _planned_cases(backend, device, profile,
-                                                                                   ns.max_examples)) as progress:
-            def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
-                if not isolate:  # write-ahead: a crash that takes this process leaves the case behind
-                    record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform, device,
-                                     backend.source)
-                progress.start(case)
+    runnable = [b for b, reason in backends if reason is None]
+    # built here once, in the background; loaded here, or in each case worker where cases are isolated
+    # (warmup.py). Every backend's worker starts now and warms up while the others do, so that the first
+    # backend's cases are judged while later ones still warm up
+    warming = start_warm_up(runnable, device, load=not isolate)
+    judges = {b.name: case_judge(b, device, ns.case_timeout, isolate) for b in runnable}
+    for judge in judges.values():
+        judge.launch()
+    warmup = None
+    try:
+        selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
+        print(f"reference self-check: {selfcheck.describe()}", flush=True)
+        results = []
+        for backend, reason in backends:
+            if reason is not None:
+                print(f"skipped {backend.name}: {reason}", flush=True)
+        for backend, reason in backends:
+            if warmup is None and (not isolate or warming.done()):  # in-process: loaded before the first case
+                warmup = warming.wait()
+                _print_warmup("warm-up", warmup)
+            if reason is not None:
+                results.append(verify(backend, device, profile))  # records the backend as unavailable
+                continue
+            if not isolate:
+                print(in_flight_note(in_flight), flush=True)
+            with Progress(backend.name, ns.minutes or profile.minutes,
+                          _planned_cases(backend, device, profile, ns.max_examples)) as progress:
+                def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
+                    if not isolate:  # write-ahead: a crash that takes this process leaves the case behind
+                        record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform,
+                                         device, backend.source)
+                    progress.start(case)
 
-            result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
-                            minutes=ns.minutes, database=database, on_case=progress.update,
-                            on_start=starting, kernel_seconds=ns.case_timeout, isolate=isolate)
-        in_flight.unlink(missing_ok=True)
-        print(_summary_line(result), flush=True)
-        _print_warmup("  warm-up in its worker", result.warmup)
-        if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
-            print(f"  {resolution_line(result.backend, resolved)}", flush=True)
-        if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result)), result.kind):
-            print(f"  {claimed}", flush=True)
-        print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
-        results.append(result)
-        if result.interrupted:
-            print(f"interrupted: the report holds the cases judged until then; "
-                  f"{len(backends) - len(results)} backend(s) not run", flush=True)
-            break
+                result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
+                                minutes=ns.minutes, database=database, on_case=progress.update,
+                                on_start=starting, kernel_seconds=ns.case_timeout, isolate=isolate,
+                                judge=judges[backend.name])
+            in_flight.unlink(missing_ok=True)
+            _print_backend_result(result)
+            results.append(result)
+            if result.interrupted:
+                print(f"interrupted: the report holds the cases judged until then; "
+                      f"{len(backends) - len(results)} backend(s) not run", flush=True)
+                break
+    finally:
+        for judge in judges.values():  # those of backends not run (an interruption, an error)
+            judge.close()
+    if warmup is None:
+        warmup = warming.wait()
+        _print_warmup("warm-up", warmup)
 
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
@@ -262,6 +265,20 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def _print_backend_result(result: Any) -> None:
+    """A backend's summary: verdict and counts, its worker's warm-up, what it resolved to, its claims, its time."""
+    from ..records.report import distinct_cases, invariance_counts, invariance_line, resolution_line, resolutions
+    from ..run import stage_times
+
+    print(_summary_line(result), flush=True)
+    _print_warmup("  warm-up in its worker", result.warmup)
+    if resolved := resolutions(c.resolved_backend for c in distinct_cases(result)):
+        print(f"  {resolution_line(result.backend, resolved)}", flush=True)
+    if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result)), result.kind):
+        print(f"  {claimed}", flush=True)
+    print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
 
 
 def _print_warmup(title: str, warmup: Any) -> None:

@@ -117,10 +117,11 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
            on_case: Callable[[CaseResult], None] | None = None,
            on_start: Callable[[Case], None] | None = None,
            kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
-           budget: Budget | None = None, isolate: bool = False) -> EngineResult:
+           budget: Budget | None = None, isolate: bool = False, judge: CaseJudge | None = None) -> EngineResult:
     """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
     ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's;
-    ``isolate`` judges each case in a worker process."""
+    ``isolate`` judges each case in a worker process; ``judge``: the one ``case_judge`` made for these arguments,
+    already launched (check starts every backend's isolated worker at once); this run closes it."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = DEFAULT_SEED if seed is None else seed
@@ -136,9 +137,13 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     kind = kind_named(backend.kind)
     minutes = prof.minutes if minutes is None else minutes
     clock = _Clock(None if minutes is None else started + 60.0 * minutes)
-    judge = case_judge(backend, device, kernel_seconds, isolate)  # a worker left by an exception ends at exit
+    if judge is None:  # a worker left by an exception ends at exit
+        judge = case_judge(backend, device, kernel_seconds, isolate)
+    began = time.monotonic()
     judge.start()
-    clock.leave_out(_warm_seconds(judge))
+    waited = time.monotonic() - began  # for a worker to start and warm up (what was left of it, if launched earlier)
+    first_warm = _warm_seconds(judge)
+    clock.leave_out(waited)
 
     def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
         if on_start is not None:
@@ -213,7 +218,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     judge.close()
     result.draw_seconds = clock.draw_seconds
     result.warmup = judge.warmup
-    result.seconds = time.monotonic() - started - _warm_seconds(judge)
+    result.seconds = time.monotonic() - started - waited - (_warm_seconds(judge) - first_warm)
     return result
 
 

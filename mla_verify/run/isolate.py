@@ -4,10 +4,16 @@ case, which fails as a crash, while the search in the parent goes on and shrinks
 
 The model is AFL's fork server: a forkserver process imports torch and this package once, and each worker
 forks from it in milliseconds, loads the backend (``named_backend``: by name, or a ``--kernel`` from where it
-was loaded), warms up (warmup.py: it loads the backend's compiled modules, which the parent has built, so
-their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up again,
-before the next case. The fork server never touches CUDA, so each worker makes its own context (forking a
-process that holds one is not safe).
+was loaded), warms up (warmup.py: it loads the backend's compiled modules, which the parent builds meanwhile,
+so their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up
+again, before the next case. A worker can be launched early (``launch``: check starts every backend's at
+once, so that they warm up side by side) and is waited for at its first case (``start``).
+Each worker makes its own CUDA context, never an inherited one: forking a process that holds one is not safe,
+and torch refuses CUDA in the child. The fork server is a fresh interpreter whatever the parent did to CUDA,
+but what runs as Python starts (a sitecustomize, a .pth file) runs there too; a worker forked from a fork
+server where CUDA was initialised says so before anything else, and from then on this process starts its
+workers by spawn (each a fresh interpreter: slower to start, it never inherits CUDA). A worker that cannot
+start -- it cannot load its backend, or cannot start CUDA on its device -- is a UsageError that says why.
 Cases of every problem kind (mla_verify/kinds) are judged alike, by harness.run_case.
 
 Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
@@ -51,9 +57,12 @@ _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "sk
 
 class CaseJudge(Protocol):
     """Judges one case of one backend (``run_case``'s arguments beyond the backend); ``start`` readies it for
-    the first case (an isolated worker warms up there); ``close`` frees it."""
+    the first case (an isolated worker warms up there), ``launch`` begins that early; ``close`` frees it."""
 
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult: ...
+
+    def launch(self) -> None:
+        """Starts readying it without waiting (an isolated worker starts and warms up in the background)."""
 
     def start(self) -> None: ...
 
@@ -76,6 +85,9 @@ class InProcess:
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         return run_case(self.backend, spec, layout, self.device, transform, problem=self.problem, diagnose=diagnose,
                         kernel_seconds=self.kernel_seconds)
+
+    def launch(self) -> None:
+        pass
 
     def start(self) -> None:
         pass
@@ -111,8 +123,12 @@ class Isolated:
             result.problem = kind_named(self.backend.kind).build(spec, self.device)
         return result
 
+    def launch(self) -> None:
+        """A worker starting now, if none is: it loads the backend and warms up while this process goes on."""
+        self._worker.launch()
+
     def start(self) -> None:
-        """A worker now, if none is running (the first case, or the next after a death, then finds it warm)."""
+        """A worker ready now, if none is running (the first case, or the next after a death, then finds it warm)."""
         self._worker.start()
 
     @property
@@ -132,26 +148,23 @@ class _Death:
 
 
 class _Worker:
-    """One persistent worker process judging one backend's cases, started on the first case and again after each
-    death. ``target`` (its name: a registered one, or the ``--kernel`` it was given as) and ``source`` load the
-    backend in the worker (``named_backend``); ``warm``: each worker loads the backend's compiled modules before
-    its first case (warmup.py), and ``warmup`` adds up what that took."""
+    """One persistent worker process judging one backend's cases, started on the first case (or launched
+    earlier) and again after each death. ``target`` (its name: a registered one, or the ``--kernel`` it was given
+    as) and ``source`` load the backend in the worker (``named_backend``); ``warm``: each worker loads the
+    backend's compiled modules before its first case (warmup.py), and ``warmup`` adds up what that took."""
 
     def __init__(self, target: str, source: dict[str, str] | None, device: torch.device,
                  kernel_seconds: float | None, warm: bool = False) -> None:
         self.target, self.source = target, source
         self.device, self.kernel_seconds, self.warm = device, kernel_seconds, warm
         self.warmup: WarmupResult | None = None
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        self._mp: Any = multiprocessing.get_context(method)
-        if method == "forkserver":  # imported once in the fork server, not in every worker
-            self._mp.set_forkserver_preload(["torch", __name__])
         # index into STAGES of the running case's stage. RawValue is imported with this module, not on first use:
         # pytester, which takes back the modules a run imported, would then leave two copies of
         # multiprocessing.heap, and a RawValue of one does not pickle for a worker of the next run
         self._stage = RawValue("i", -1)
         self._process: Any = None
         self._conn: Connection | None = None
+        self._ready = False  # the running worker said it is ready for cases
 
     def ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | _Death:
         """The worker's verdict on ``request`` (its header and tensors), or what ended the worker. A worker
@@ -177,29 +190,38 @@ class _Worker:
             header["context_lost"] = False
         return reply
 
-    def start(self) -> None:
-        """A worker now, if none is running."""
+    def launch(self) -> None:
+        """A worker starting now, if none is running; ``start`` waits for it."""
         if self._process is None:
-            self._start()
+            conn, child = _start_method.context().Pipe()
+            process = _start_method.context().Process(
+                target=_serve, name=f"mla-verify worker ({self.target})", daemon=True,
+                args=(child, self.target, self.source, str(self.device), torch.get_num_threads(),
+                      watchdog.grace_seconds(), self._stage, self.warm))
+            with _this_package_first():
+                process.start()
+            child.close()
+            self._process, self._conn, self._ready = process, conn, False
 
-    def _start(self) -> None:
-        conn, child = self._mp.Pipe()
-        process = self._mp.Process(
-            target=_serve, name=f"mla-verify worker ({self.target})", daemon=True,
-            args=(child, self.target, self.source, str(self.device), torch.get_num_threads(),
-                  watchdog.grace_seconds(), self._stage, self.warm))
-        with _this_package_first():
-            process.start()
-        child.close()
-        self._process, self._conn = process, conn
+    def start(self) -> None:
+        """A worker ready for cases: launched if none is running, then waited for until it has loaded the
+        backend and warmed up. Raises UsageError, one line, when it cannot start."""
+        self.launch()
+        if self._ready:
+            return
         reply = self._receive()
         if reply is None:
-            raise UsageError(f"{self.target}: the isolated worker died while loading the backend "
-                             f"({self._death()}); --no-isolate runs it in this process")
+            raise UsageError(f"{self.target}: the isolated worker died while starting ({self._death()}); "
+                             "--no-isolate runs it in this process")
+        if reply[0].get("inherited_cuda"):  # its fork server had CUDA initialised: never fork from it again
+            self.stop()
+            _start_method.refuse_forking()
+            return self.start()
         if "error" in reply[0]:
             self.stop()
-            raise UsageError(f"{self.target}: the isolated worker could not load it: {reply[0]['error']} "
+            raise UsageError(f"{self.target}: the isolated worker {reply[0]['error']} "
                              "(--no-isolate runs it in this process)")
+        self._ready = True
         if reply[0]["warmup"] is not None:
             warmed = WarmupResult(**reply[0]["warmup"])
             self.warmup = warmed if self.warmup is None else self.warmup.then(warmed)
@@ -234,7 +256,7 @@ class _Worker:
         assert self._conn is not None
         self._conn.close()  # the worker's next read ends it
         self._process.join(timeout=5)
-        if self._process.is_alive():  # stuck in a kernel
+        if self._process.is_alive():  # stuck in a kernel, or still warming up
             self._process.kill()
             self._process.join()
         self._forget()
@@ -243,6 +265,32 @@ class _Worker:
         if self._conn is not None:
             self._conn.close()
         self._process = self._conn = None
+        self._ready = False
+
+
+class _StartMethod:
+    """How this process starts its workers: forked from the fork server (milliseconds: torch and this package
+    are imported there once) until a worker finds CUDA initialised in it, then by spawn."""
+
+    def __init__(self) -> None:
+        self._forkserver = "forkserver" in multiprocessing.get_all_start_methods()
+
+    def context(self) -> Any:
+        if not self._forkserver:
+            return multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["torch", __name__])  # imported once in the fork server, not in every worker
+        return context
+
+    def refuse_forking(self) -> None:
+        if self._forkserver:
+            self._forkserver = False
+            print("mla-verify: isolated workers start by spawn from now on (each a fresh interpreter, slower to "
+                  "start): CUDA was initialised in the fork server they were forked from, by something Python runs "
+                  "as it starts (a sitecustomize or a .pth file)", file=sys.stderr, flush=True)
+
+
+_start_method = _StartMethod()
 
 
 @contextlib.contextmanager
@@ -273,6 +321,11 @@ def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | N
     return InProcess(backend, device, kernel_seconds)
 
 
+def _inherited_cuda() -> bool:
+    """Whether this process was forked from one where CUDA was initialised (torch marks the child then)."""
+    return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
+
+
 def _decoded(name: str, spec: Any, layout: LayoutSpec, transform: str, header: dict[str, Any],
              tensors: dict[str, torch.Tensor]) -> CaseResult:
     stats = header["stats"]
@@ -289,18 +342,28 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
 
 def _serve(conn: Connection, target: str, source: Any, device: str, threads: int, grace: float,
            stage: Any, warm: bool) -> None:
-    """The worker: load the backend (``warm``: and its compiled modules), then judge each case sent until the
-    parent closes the pipe, or until a CUDA error leaves this process's device unusable. ``threads`` and
-    ``grace`` are the parent's now (the environment is the fork server's, from when it started)."""
+    """The worker: load the backend, start CUDA on ``device`` (``warm``: and load the backend's compiled
+    modules), then judge each case sent until the parent closes the pipe, or until a CUDA error leaves this
+    process's device unusable. ``threads`` and ``grace`` are the parent's now (the environment is the fork
+    server's, from when it started)."""
+    if _inherited_cuda():  # before anything else: nothing here may use CUDA
+        _send(conn, {"inherited_cuda": True})
+        return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends this worker
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
     os.environ[watchdog.GRACE_ENV] = repr(grace)
     torch.set_num_threads(threads)  # CPU sums round by the thread count
     try:
         backend = named_backend(target, source)
-    except MLAVerifyError as e:
-        _send(conn, {"error": str(e)})
+    except Exception as exc:  # noqa: BLE001 - the parent's one line: a UsageError there
+        _send(conn, {"error": f"could not load it: {exc if isinstance(exc, MLAVerifyError) else exception_line(exc)}"})
         return
+    if torch.device(device).type == "cuda":
+        try:  # its context now, so that a device this process cannot use is a line, not the first case's error
+            torch.zeros(1, device=device)
+        except Exception as exc:  # noqa: BLE001 - as above
+            _send(conn, {"error": f"could not start CUDA on {device}: {exception_line(exc)}"})
+            return
     warmed = warm_up([backend], torch.device(device), build=False) if warm else None
     _send(conn, {"ready": True, "warmup": None if warmed is None else dataclasses.asdict(warmed)})
 
