@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from benchmark_tools import load_benchmark
+from warming_backends import in_background
 
 from mla_verify import pytest_plugin
 from mla_verify.backends.base import WarmupModule
@@ -218,6 +219,7 @@ def test_each_worker_gets_its_share_of_the_cores_unless_the_user_chose(env, work
 def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester, clean_env, monkeypatch):
     built: list[list[str]] = []
 
+    @in_background
     def build(specs):
         built.append(list(specs))
         if specs == ["broken"]:
