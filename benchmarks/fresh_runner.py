@@ -1,80 +1,122 @@
-"""Minutes to the first verdict on a fresh GPU runner, with and without a restored JIT cache (issue #33).
+"""Time to the first verdict and to the end of the main job on a fresh GPU runner, without and with a restored CI
+cache, and isolated runs started from a process that initialised CUDA first (issues #33, #37).
 
-Phases, each in fresh processes with its own cache directories (FLASHINFER_WORKSPACE_BASE for FlashInfer's JIT
-workspace, CUDA_CACHE_PATH for the driver's compute cache, ~/.nv/ComputeCache by default):
+Every phase runs in fresh processes with FlashInfer's workspace at one fixed path, <work>/ws
+(FLASHINFER_WORKSPACE_BASE), and the CUDA driver's compute cache at <work>/nv (CUDA_CACHE_PATH), both emptied
+first:
 
-  nocache    `check --device cuda` (the README's main job) with both caches empty; then both are packed into
-             cache.tar.gz, as a CI cache would keep them
-  restored   the same command with the tarball unpacked into new, empty directories
-  fuzz       `check --backend fa3 --profile fuzz --minutes M` with the tarball unpacked: judged cases per
-             second over the whole command (start-up and warm-up included) and within the cases
-  firstcall  where a cached module's first call goes: CUDA start, `import flashinfer`, then per module the
-             ninja up-to-date check, the library load, and the first and second prepare (the wrapper's plan)
-             and kernel call of one small case, each timed alone; once with the driver's compute cache
-             restored and once with it empty (what the driver compiles from PTX shows as the difference and as
-             the files it adds to its cache); plus the PTX and SASS each module's library holds (cuobjdump)
+  nocache    `check --device cuda` (the README's main job) with both empty; then the workspace is packed as a CI
+             cache keeps it: GNU tar in POSIX (pax) format, as actions/cache packs, its absolute path kept
+  restored   the same command after the workspace is deleted and the tarball unpacked at the same path, the
+             compute cache left empty (docs/pytest.md, "What a CI cache must keep")
+  cudainit   isolated runs from processes that initialised CUDA as Python started (a sitecustomize calling
+             torch.cuda.init(), which the fork server runs too), on the restored cache: `check --backend fa3
+             --device cuda`, and `pytest -n 2 --mla-kernel cli_kernels:needs_cuda --mla-device cuda`
+  moved      the tarball unpacked at another path (what a cache restored elsewhere costs: everything rebuilt)
+  reinstalled  unpacked at the same path, but every file of the FlashInfer installation made as new as a fresh
+             `pip install` leaves it (pip writes each file at the time of the install; their times are put back
+             afterwards): what a cache of the workspace alone costs when the environment is not cached too
+  fuzz       `check --backend fa3 --profile fuzz --minutes M` on the restored cache: judged cases per second
+             over the whole command (start-up and warm-up included) and within the cases
 
     source .gpu-bundle/activate.sh && python3 benchmarks/fresh_runner.py --out $OUT/fresh [--phases ...]
 
-Writes $OUT/fresh/fresh_runner.json (every number, merged over calls), one log per command, and the reports of
-the check runs; the tarball stays in --work (default /tmp/mla-fresh; --cache takes one from elsewhere).
-Exit code 0 when every command ran and passed.
+For each command: its exit code, seconds, and the seconds at which each of its summary lines appeared (a
+backend's verdict line, `fa2: PASS -- ...`, among them: `first_verdict_s` is the first). Writes
+$OUT/fresh/fresh_runner.json (merged over calls), one log per command and the check runs' reports; the
+tarball stays in --work (default /tmp/mla-fresh). Exit code 0 when every command ran and passed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
-from dataclasses import replace
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PHASES = ("nocache", "restored", "fuzz", "firstcall")
+PHASES = ("nocache", "restored", "cudainit", "moved", "reinstalled", "fuzz")
 CHECK = [sys.executable, "-m", "mla_verify.cli", "check", "--device", "cuda"]
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+VERDICT = re.compile(r"^\S+: (PASS|FAIL|SKIP) -- ")  # a backend's summary line (cli/main.py, _summary_line)
+KEPT = ("warm-up", "  warm-up", "reference self-check", "mla-verify:", "skipped ")
+SITECUSTOMIZE = "import torch\ntorch.cuda.init()  # as an engine's plugin or a conftest may, as Python starts\n"
 
 
-def cache_env(root: Path) -> dict[str, str]:
-    """The environment of a run whose two caches live under ``root`` (created empty when missing)."""
-    (root / "ws").mkdir(parents=True, exist_ok=True)
-    (root / "nv").mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(root / "ws"), "CUDA_CACHE_PATH": str(root / "nv")}
+def caches(work: Path, root: Path | None = None) -> dict[str, str]:
+    """The environment of a run whose workspace is ``root``/ws (default ``work``) and compute cache
+    ``work``/nv, the compute cache emptied."""
+    shutil.rmtree(work / "nv", ignore_errors=True)
+    (work / "nv").mkdir(parents=True)
+    ws = (root or work) / "ws"
+    ws.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(ws), "CUDA_CACHE_PATH": str(work / "nv")}
 
 
-def restored(work: Path, name: str) -> Path:
-    """A new directory with cache.tar.gz unpacked into it, as a CI runner restores its cache."""
-    root = work / name
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    with tarfile.open(work / "cache.tar.gz") as tar:
-        tar.extractall(root, filter="tar")  # our own tarball, made by the nocache phase
-    return root
-
-
-def du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def timed(command: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
+def pack(work: Path) -> dict[str, Any]:
+    """The workspace as a CI cache saves it: pax format (nanosecond modification times), absolute path."""
     began = time.perf_counter()
-    with log.open("w") as out:
-        rc = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    tar = work / "cache.tar"
+    subprocess.run(["tar", "--posix", "-cf", str(tar), "-C", "/", str((work / "ws").relative_to("/"))], check=True)
+    return {"bytes": tar.stat().st_size, "pack_s": round(time.perf_counter() - began, 1)}
+
+
+def restore(work: Path, root: Path) -> float:
+    """The tarball unpacked under ``root`` (``/``: at the path it was saved from), into an emptied workspace."""
+    began = time.perf_counter()
+    target = root / (work / "ws").relative_to("/")
+    shutil.rmtree(target, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-xf", str(work / "cache.tar"), "-C", str(root)], check=True)
+    return round(time.perf_counter() - began, 1)
+
+
+@contextlib.contextmanager
+def reinstalled_flashinfer() -> Iterator[None]:
+    """Every file of the FlashInfer installation this Python imports dated now, as a fresh install dates them;
+    their times put back after."""
+    import flashinfer
+
+    files = [f for f in Path(flashinfer.__file__).parent.rglob("*") if f.is_file()]
+    saved = {f: (f.stat().st_atime_ns, f.stat().st_mtime_ns) for f in files}
+    for f in files:
+        os.utime(f)
+    try:
+        yield
+    finally:
+        for f, times in saved.items():
+            os.utime(f, ns=times)
+
+
+def timed(command: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> dict[str, Any]:
+    """Runs ``command``, its output to ``log``; its summary lines with the second each appeared at."""
+    began = time.perf_counter()
+    lines: list[tuple[float, str]] = []
+    with log.open("w") as out, subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            lines.append((round(time.perf_counter() - began, 1), line.rstrip("\n")))
     seconds = round(time.perf_counter() - began, 1)
-    lines = log.read_text().splitlines()
-    keep = [ln for ln in lines if ln.startswith(("warm-up", "  warm-up", "reference self-check")) or ": PASS" in ln
-            or ": FAIL" in ln or "judged in" in ln]
-    print(f"{log.stem}: rc {rc} in {seconds} s", flush=True)
-    return {"command": " ".join(command), "rc": rc, "seconds": seconds, "lines": keep}
+    verdicts = [t for t, ln in lines if VERDICT.match(ln)]
+    print(f"{log.stem}: rc {proc.returncode} in {seconds} s"
+          + (f", first verdict at {verdicts[0]} s" if verdicts else ""), flush=True)
+    return {"command": " ".join(command), "rc": proc.returncode, "seconds": seconds,
+            "first_verdict_s": verdicts[0] if verdicts else None,
+            "lines": [f"{t:7.1f} s  {ln}" for t, ln in lines if ln.startswith(KEPT) or VERDICT.match(ln)
+                      or "judged in" in ln or "passed" in ln or "failed" in ln]}
 
 
-def phase_check(work: Path, out: Path, name: str, root: Path) -> dict[str, Any]:
+def phase_check(work: Path, out: Path, name: str, env: dict[str, str], *argv: str) -> dict[str, Any]:
     report = out / f"{name}.json"
-    result = timed([*CHECK, "--report", str(report), "--fixtures-dir", str(work / "reg")], cache_env(root),
+    result = timed([*CHECK, *argv, "--report", str(report), "--fixtures-dir", str(work / "reg")], env,
                    out / f"{name}.log")
     if report.exists():
         run = json.loads(report.read_text())["run"]
@@ -82,164 +124,80 @@ def phase_check(work: Path, out: Path, name: str, root: Path) -> dict[str, Any]:
     return result
 
 
-def phase_fuzz(work: Path, out: Path, minutes: float) -> dict[str, Any]:
-    report = out / "fuzz_fa3.json"
-    command = [*CHECK, "--backend", "fa3", "--profile", "fuzz", "--minutes", str(minutes), "--report", str(report),
-               "--fixtures-dir", str(work / "reg")]
-    result = timed(command, cache_env(restored(work, "fuzz")), out / "fuzz_fa3.log")
-    if report.exists():
-        run = json.loads(report.read_text())["run"]
-        fa3 = run["throughput"]["fa3"]
-        result.update(warmup=run.get("warmup"), warmup_s=run.get("warmup_s"), throughput=fa3,
-                      judged_per_s_overall=round(fa3["judged"] / result["seconds"], 2))
-    return result
-
-
-def phase_firstcall(work: Path, out: Path) -> dict[str, Any]:
-    """The probe below in a fresh process: with the compute cache as restored, then with it emptied."""
-    found: dict[str, Any] = {}
-    for label, empty_nv in (("restored", False), ("compute_cache_empty", True)):
-        root = restored(work, f"first_{label}")
-        if empty_nv:
-            shutil.rmtree(root / "nv", ignore_errors=True)
-        env = cache_env(root)
-        before = du(root / "nv")
-        log = out / f"firstcall_{label}.log"
-        run = timed([sys.executable, __file__, "--probe", str(out / f"firstcall_{label}.json")], env, log)
-        probe = out / f"firstcall_{label}.json"
-        found[label] = {"rc": run["rc"], "seconds": run["seconds"],
-                        "compute_cache_bytes_added": du(root / "nv") - before,
-                        **(json.loads(probe.read_text()) if probe.exists() else {})}
+def phase_cudainit(work: Path, out: Path) -> dict[str, Any]:
+    """Both isolated runs from processes whose sitecustomize initialised CUDA, on the restored cache."""
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    restore(work, Path("/"))
+    env = caches(work)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+    found = {"check": phase_check(work, out, "cudainit_check_fa3", env, "--backend", "fa3")}
+    empty = work / "pytest"
+    shutil.rmtree(empty, ignore_errors=True)
+    empty.mkdir()
+    # the plugin by module, installed or not (docs/pytest.md); only the kernel's tests are collected
+    found["pytest"] = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:mla_verify",
+                             "-p", "mla_verify.pytest_plugin", "-n", "2", "--mla-device", "cuda", "--mla-kernel",
+                             "cli_kernels:needs_cuda", "--mla-fixtures-dir", str(work / "reg")], env,
+                            out / "cudainit_pytest_n2.log", cwd=empty)
+    # check says it once, on stderr; pytest keeps a passing test's output to itself
+    found["check"]["workers_by_spawn"] = "start by spawn" in (out / "cudainit_check_fa3.log").read_text()
     return found
 
 
-# ---------------------------------------------------------------- the probe (run in its own process)
-def probe(path: Path) -> None:
-    import torch
-
-    stages: dict[str, Any] = {}
-
-    def clock(key: str, fn: Any) -> Any:
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        value = fn()
-        torch.cuda.synchronize()
-        stages[key] = round(time.perf_counter() - began, 3)
-        return value
-
-    began = time.perf_counter()
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    start = {"cuda_start": round(time.perf_counter() - began, 3)}
-    clock("import flashinfer.mla", lambda: __import__("flashinfer.mla"))
-    start.update(stages)
-    from mla_verify.backends import get_backend
-    from mla_verify.draw.strategies import budget_for, corner_cases
-    from mla_verify.problems.generate import build_problem
-
-    device = torch.device("cuda")
-    modules: dict[str, Any] = {}
-    for name in ("fa3", "fa2", "flashinfer-swa"):
-        backend = get_backend(name)
-        first = corner_cases(backend.envelope, budget_for(device))[0]
-        for module in backend.warmup(device):
-            spec = module.spec
-            one: dict[str, Any] = {"backend": name, "library": str(spec.get_library_path()), "stages_s": {}}
-            modules[module.name] = one
-            stages.clear()
-            try:
-                clock("ninja up-to-date check", spec.build)
-                clock("library load", spec.load)
-                clock("load through FlashInfer's getter", module.load)
-                one["stages_s"].update(stages)
-                one["cuobjdump"] = cuobjdump(spec.get_library_path())
-                dtype, rank, rope = module_case(name, module.name)
-                spec_case = replace(first.spec, dtype=dtype, kv_lora_rank=rank, qk_rope_head_dim=rope)
-                problem = build_problem(spec_case, device)
-                for attempt in ("first", "second"):
-                    stages.clear()
-                    call = clock(f"{attempt} prepare (plan)", partial(backend.prepare, problem, first.layout))
-                    clock(f"{attempt} kernel call", call.invoke)
-                    one["stages_s"].update(stages)
-            except Exception as exc:  # noqa: BLE001 - the other modules are still measured
-                one["stages_s"].update(stages)
-                one["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            print(module.name, one, flush=True)
-    path.write_text(json.dumps({"start_s": start, "modules": modules}, indent=1))
-
-
-def module_case(backend: str, module: str) -> tuple[str, int, int]:
-    """(dtype, kv_lora_rank, rope) of a module, read from its FlashInfer name."""
-    if backend == "flashinfer-swa":
-        return "bf16", 1024, 64
-    dtype = "fp8" if "dtype_kv_e4m3" in module else "bf16"
-    rank = int(module.split("head_dim_ckv_")[1].split("_")[0])
-    rope = int(module.split("head_dim_kpe_")[1].split("_")[0])
-    return dtype, rank, rope
-
-
-def cuobjdump(library: Path) -> dict[str, int] | str:
-    """How many SASS (ELF) and PTX images the library holds: PTX only would be compiled by the driver."""
-    tool = shutil.which("cuobjdump")
-    if tool is None:
-        return "cuobjdump not found"
-    counts = {}
-    for kind, flag in (("sass", "-lelf"), ("ptx", "-lptx")):
-        listed = subprocess.run([tool, flag, str(library)], capture_output=True, text=True)
-        counts[kind] = sum(1 for ln in listed.stdout.splitlines() if ln.strip())
-    return counts
+def phase_fuzz(work: Path, out: Path, minutes: float) -> dict[str, Any]:
+    restore(work, Path("/"))
+    result = phase_check(work, out, "fuzz_fa3", caches(work), "--backend", "fa3", "--profile", "fuzz",
+                         "--minutes", str(minutes))
+    if result.get("throughput"):
+        fa3 = result["throughput"]["fa3"]
+        result["judged_per_s_overall"] = round(fa3["judged"] / result["seconds"], 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/mla-out")) / "fresh")
     parser.add_argument("--work", type=Path, default=Path("/tmp/mla-fresh"), help="caches and reproducers")
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=["nocache", "restored", "cudainit"])
     parser.add_argument("--fuzz-minutes", type=float, default=2.0)
-    parser.add_argument("--cache", type=Path, help="cache.tar.gz of an earlier nocache phase (default: --work's)")
-    parser.add_argument("--probe", type=Path, help=argparse.SUPPRESS)  # the firstcall phase's child
     ns = parser.parse_args(argv)
-    if ns.probe:
-        probe(ns.probe)
-        return 0
     ns.out.mkdir(parents=True, exist_ok=True)
+    work = ns.work.resolve()
     record_path = ns.out / "fresh_runner.json"
     record: dict[str, Any] = json.loads(record_path.read_text()) if record_path.exists() else {}
-    record["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    record["cores"] = os.cpu_count()
+    record.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
+                  max_jobs=os.environ.get("MAX_JOBS"), workspace=str(work / "ws"))
     if "nocache" in ns.phases:
-        shutil.rmtree(ns.work, ignore_errors=True)
-        cold = ns.work / "cold"
-        record["nocache"] = phase_check(ns.work, ns.out, "nocache", cold)
-        began = time.perf_counter()
-        with tarfile.open(ns.work / "cache.tar.gz", "w:gz") as tar:
-            tar.add(cold / "ws", "ws")
-            tar.add(cold / "nv", "nv")
-        record["cache_tarball"] = {"bytes": (ns.work / "cache.tar.gz").stat().st_size, "workspace_bytes":
-                                   du(cold / "ws"), "compute_cache_bytes": du(cold / "nv"),
-                                   "pack_s": round(time.perf_counter() - began, 1)}
-    if ns.cache is not None:  # a tarball made by an earlier nocache phase, e.g. on another machine
-        ns.work.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ns.cache, ns.work / "cache.tar.gz")
-    if not (ns.work / "cache.tar.gz").exists():
-        print("no cache.tar.gz: run the nocache phase first", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+        record["nocache"] = phase_check(work, ns.out, "nocache", caches(work))
+        record["cache_tarball"] = pack(work)
+    if not (work / "cache.tar").exists():
+        print("no cache.tar: run the nocache phase first", file=sys.stderr)
         return 2
     if "restored" in ns.phases:
-        began = time.perf_counter()
-        root = restored(ns.work, "restored")
-        unpack = round(time.perf_counter() - began, 1)
-        record["restored"] = {**phase_check(ns.work, ns.out, "restored", root), "unpack_s": unpack}
+        unpack = restore(work, Path("/"))
+        record["restored"] = {**phase_check(work, ns.out, "restored", caches(work)), "unpack_s": unpack}
+    if "cudainit" in ns.phases:
+        record["cudainit"] = phase_cudainit(work, ns.out)
+    if "moved" in ns.phases:
+        elsewhere = work / "moved"
+        unpack = restore(work, elsewhere)
+        record["moved"] = {**phase_check(work, ns.out, "moved", caches(work, elsewhere / work.relative_to("/"))),
+                           "unpack_s": unpack}
+    if "reinstalled" in ns.phases:
+        unpack = restore(work, Path("/"))
+        with reinstalled_flashinfer():
+            record["reinstalled"] = {**phase_check(work, ns.out, "reinstalled", caches(work)), "unpack_s": unpack}
     if "fuzz" in ns.phases:
-        record["fuzz"] = phase_fuzz(ns.work, ns.out, ns.fuzz_minutes)
-    if "firstcall" in ns.phases:
-        record["firstcall"] = phase_firstcall(ns.work, ns.out)
+        record["fuzz"] = phase_fuzz(work, ns.out, ns.fuzz_minutes)
     record_path.write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk in ("rc", "seconds", "judged_per_s_overall")}
-                      if isinstance(v, dict) else v for k, v in record.items()}, indent=1))
-    runs = [record[p] for p in ("nocache", "restored", "fuzz") if p in record]
-    runs += list(record.get("firstcall", {}).values())
-    return 0 if all(r["rc"] == 0 for r in runs) else 1
+    runs = {p: record[p] for p in ("nocache", "restored", "moved", "reinstalled", "fuzz") if p in record}
+    runs.update((f"cudainit {k}", v) for k, v in record.get("cudainit", {}).items())
+    for name, run in runs.items():
+        print(f"{name}: rc {run['rc']}, {run['seconds']} s, first verdict at {run['first_verdict_s']} s")
+    return 0 if all(r["rc"] == 0 for r in runs.values()) else 1
 
 
 if __name__ == "__main__":

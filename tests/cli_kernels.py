@@ -36,12 +36,13 @@ gpu_only.mla_verify_envelope = {**SMALL_ENVELOPE, "devices": ["cuda"]}
 
 
 def needs_cuda(*args: Any, **kwargs: Any) -> Any:
-    """The CPU peer, refused where torch refuses CUDA: in a process forked from one that initialised CUDA
-    (tests/test_worker_start.py fakes such a parent on a machine without CUDA)."""
+    """The CPU peer (any device), refused where torch refuses CUDA: in a process forked from one that
+    initialised CUDA (tests/test_worker_start.py fakes such a parent on a machine without CUDA; on a GPU,
+    benchmarks/fresh_runner.py's cudainit phase runs it from a real one)."""
     if torch.cuda._is_in_bad_fork():
         raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you "
                            "must use the 'spawn' start method")
     return cpu_peer_decode(*args, **kwargs)
 
 
-needs_cuda.mla_verify_envelope = SMALL_ENVELOPE
+needs_cuda.mla_verify_envelope = {**SMALL_ENVELOPE, "devices": ["cpu", "cuda"]}

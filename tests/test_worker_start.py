@@ -35,11 +35,13 @@ os.register_at_fork(after_in_child=_forked)
 '''
 
 
-def cuda_initialised(tmp_path: Path, *command: str) -> subprocess.CompletedProcess[str]:
-    """``command`` from tmp_path, every interpreter it starts faking a CUDA-initialised process."""
+def cuda_initialised(tmp_path: Path, *command: str,
+                     sitecustomize: str = SITECUSTOMIZE) -> subprocess.CompletedProcess[str]:
+    """``command`` from tmp_path, every interpreter it starts running ``sitecustomize`` first (by default,
+    faking a CUDA-initialised process)."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (site / "sitecustomize.py").write_text(sitecustomize)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(TESTS.parent), str(TESTS)])}
     return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
