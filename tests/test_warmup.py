@@ -211,11 +211,51 @@ def test_a_failed_flashinfer_build_names_the_compiler_s_first_error(monkeypatch,
                            'batch_mla_run.cu(12): error: identifier "x" is undefined\n1 error detected')
 
     monkeypatch.setattr(flashinfer.jit.cpp_ext, "run_ninja", ninja_failed)
-    spec = SimpleNamespace(name="m", sources=["a.cu"], lock_path=tmp_path / "m.lock", aot_path=tmp_path / "none",
-                           write_ninja=lambda: None, build_dir=tmp_path, ninja_path=tmp_path / "build.ninja")
-    build, = build_all([spec])
+    build, = build_all([fake_spec(tmp_path, "m", 1)])
     assert str(build.exception(timeout=60)).splitlines()[0] == \
         'Ninja build failed. First error: batch_mla_run.cu(12): error: identifier "x" is undefined'
+
+
+def fake_spec(tmp_path: Path, name: str, sources: int) -> SimpleNamespace:
+    """What flashinfer_jit's builder reads of a FlashInfer JitSpec."""
+    return SimpleNamespace(name=name, sources=[f"{name}{i}.cu" for i in range(sources)],
+                           lock_path=tmp_path / f"{name}.lock", aot_path=tmp_path / "none", write_ninja=lambda: None,
+                           build_dir=tmp_path, ninja_path=tmp_path / f"{name}.ninja")
+
+
+def test_flashinfer_modules_share_the_jobs_in_order_a_smaller_one_going_ahead_where_it_fits(monkeypatch,
+                                                                                            tmp_path) -> None:
+    import flashinfer.jit.cpp_ext
+
+    from mla_verify.backends.flashinfer_jit import build_all
+
+    started: list[tuple[str, int]] = []
+    finish = {name: threading.Event() for name in ("first", "second", "small")}
+    lock = threading.Lock()
+
+    def ninja(build_dir: Path, ninja_path: Path, verbose: bool, max_jobs: int) -> None:
+        with lock:
+            started.append((ninja_path.stem, max_jobs))
+        assert finish[ninja_path.stem].wait(30)
+
+    monkeypatch.setattr(flashinfer.jit.cpp_ext, "run_ninja", ninja)
+    monkeypatch.setenv("MAX_JOBS", "4")
+    specs = [fake_spec(tmp_path, "first", 3), fake_spec(tmp_path, "second", 3), fake_spec(tmp_path, "small", 1)]
+    builds = build_all(specs)
+    deadline = time.monotonic() + 30
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert sorted(started) == [("first", 3), ("small", 1)]  # 3 of the 4 jobs, and small in the one left
+    finish["small"].set()
+    builds[2].result(timeout=30)
+    time.sleep(0.2)
+    assert ("second", 3) not in started  # 3 jobs are not free until first ends
+    finish["first"].set()
+    builds[0].result(timeout=30)
+    finish["second"].set()
+    builds[1].result(timeout=30)
+    assert started[-1] == ("second", 3)
 
 
 def test_steps_can_be_taken_apart_built_in_one_process_and_loaded_in_another() -> None:

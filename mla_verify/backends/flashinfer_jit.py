@@ -35,7 +35,7 @@ def build_all(specs: Sequence[Any]) -> list[Future[None]]:
     The host's jobs (``MAX_JOBS``, FlashInfer's variable, else one per core) are shared out: a module runs
     ninja with a job per source, and starts once that many are free, in the order given -- so the first
     backend's modules first, and its cases can start while the others build -- a later, smaller module going
-    ahead wherever it fits."""
+    ahead wherever it fits. A module another process is building takes no job while this waits for it."""
     modules = [_Module(spec) for spec in specs]
     threading.Thread(target=_schedule, args=(modules, _job_count()), name="mla-verify flashinfer builds").start()
     return [m.future for m in modules]
@@ -62,7 +62,7 @@ class _Module:
         try:
             self.lock.acquire(timeout=0)
             self.claimed = True
-        except Timeout:  # another process builds it: build() waits for it
+        except Timeout:  # another process is building it: build() waits for it
             self.claimed = False
 
     def build(self, jobs: int) -> None:
@@ -108,7 +108,14 @@ def _start_in_turn(modules: list[_Module], jobs: int) -> None:
             free += taken
             changed.notify()
 
-    queue = list(modules)
+    # a module another process builds is waited for outside the jobs' count (waiting holds no job: two processes
+    # could otherwise each hold jobs waiting for the other's module); its ninja then finds it built
+    for module in modules:
+        if not module.claimed:
+            threading.Thread(target=module.build, args=(module.jobs,), name=f"mla-verify wait {module.spec.name}",
+                             ).start()
+            module.started = True
+    queue = [m for m in modules if m.claimed]
     with changed:
         while queue:
             for module in list(queue):
