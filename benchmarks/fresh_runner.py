@@ -146,6 +146,12 @@ def phase_cudainit(work: Path, out: Path) -> dict[str, Any]:
     return found
 
 
+def phase_reinstalled(work: Path, out: Path) -> dict[str, Any]:
+    unpack = restore(work, Path("/"))
+    with reinstalled_flashinfer():
+        return {"unpack_s": unpack, **phase_check(work, out, "reinstalled", caches(work))}
+
+
 def phase_fuzz(work: Path, out: Path, minutes: float) -> dict[str, Any]:
     restore(work, Path("/"))
     result = phase_check(work, out, "fuzz_fa3", caches(work), "--backend", "fa3", "--profile", "fuzz",
@@ -169,30 +175,25 @@ def main(argv: list[str] | None = None) -> int:
     record: dict[str, Any] = json.loads(record_path.read_text()) if record_path.exists() else {}
     record.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(),
                   max_jobs=os.environ.get("MAX_JOBS"), workspace=str(work / "ws"))
-    if "nocache" in ns.phases:
-        shutil.rmtree(work, ignore_errors=True)
-        record["nocache"] = phase_check(work, ns.out, "nocache", caches(work))
-        record["cache_tarball"] = pack(work)
-    if not (work / "cache.tar").exists():
-        print("no cache.tar: run the nocache phase first", file=sys.stderr)
-        return 2
-    if "restored" in ns.phases:
-        unpack = restore(work, Path("/"))
-        record["restored"] = {**phase_check(work, ns.out, "restored", caches(work)), "unpack_s": unpack}
-    if "cudainit" in ns.phases:
-        record["cudainit"] = phase_cudainit(work, ns.out)
-    if "moved" in ns.phases:
-        elsewhere = work / "moved"
-        unpack = restore(work, elsewhere)
-        record["moved"] = {**phase_check(work, ns.out, "moved", caches(work, elsewhere / work.relative_to("/"))),
-                           "unpack_s": unpack}
-    if "reinstalled" in ns.phases:
-        unpack = restore(work, Path("/"))
-        with reinstalled_flashinfer():
-            record["reinstalled"] = {**phase_check(work, ns.out, "reinstalled", caches(work)), "unpack_s": unpack}
-    if "fuzz" in ns.phases:
-        record["fuzz"] = phase_fuzz(work, ns.out, ns.fuzz_minutes)
-    record_path.write_text(json.dumps(record, indent=1))
+    phases = {
+        "nocache": lambda: phase_check(work, ns.out, "nocache", caches(work)),
+        "restored": lambda: {"unpack_s": restore(work, Path("/")),
+                             **phase_check(work, ns.out, "restored", caches(work))},
+        "cudainit": lambda: phase_cudainit(work, ns.out),
+        "moved": lambda: {"unpack_s": restore(work, work / "moved"),
+                          **phase_check(work, ns.out, "moved", caches(work, work / "moved" / work.relative_to("/")))},
+        "reinstalled": lambda: phase_reinstalled(work, ns.out),
+        "fuzz": lambda: phase_fuzz(work, ns.out, ns.fuzz_minutes)}
+    for name in (p for p in PHASES if p in ns.phases):
+        if name == "nocache":
+            shutil.rmtree(work, ignore_errors=True)
+        elif not (work / "cache.tar").exists():
+            print("no cache.tar: run the nocache phase first", file=sys.stderr)
+            return 2
+        record[name] = phases[name]()
+        if name == "nocache":
+            record["cache_tarball"] = pack(work)
+        record_path.write_text(json.dumps(record, indent=1))  # after each phase: a run cut short keeps them
     runs = {p: record[p] for p in ("nocache", "restored", "moved", "reinstalled", "fuzz") if p in record}
     runs.update((f"cudainit {k}", v) for k, v in record.get("cudainit", {}).items())
     for name, run in runs.items():
