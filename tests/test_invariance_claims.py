@@ -1,8 +1,10 @@
-"""Batch-order invariance is judged by each backend's claim (``Backend.batch_invariance``).
+"""Metamorphic relations are judged by each backend's claim (``Envelope.bit_invariant``).
 
 A kernel whose bits move with the batch order but whose values stay right -- what FlashMLA's whole-batch split-KV
-schedule does -- fails a bit-level claim and passes a tolerance claim; a kernel that is *wrong* in one batch
-order fails either way. The case records which judgement was applied, and so do the report and ``check``.
+schedule does, and what a plain PyTorch kernel's BLAS paths may do -- fails a bit-level claim and passes without
+one, the moved bits then a note; a kernel that is *wrong* in one batch order fails either way. A user's kernel
+claims nothing unless it declares it -- a sparse one too, whose row reorderings are judged within tolerance
+whatever it claims. The case records which judgement was applied, and so do the report and ``check``.
 """
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ import torch
 
 from mla_verify.backends import get_backend
 from mla_verify.backends.base import INVARIANT_BITS, INVARIANT_WITHIN_TOLERANCE
-from mla_verify.backends.trtllm_style import TrtllmStyleBackend
-from mla_verify.kernels.mutants import correct_kernel
+from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
+from mla_verify.backends.user_kernel import kernel_backend
+from mla_verify.core.errors import UsageError
+from mla_verify.kernels.mutants import FaultySparseKernel, correct_kernel
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.metamorphic import RELATIONS
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SPARSE_TRANSFORMS, SparseSpec
 from mla_verify.records.report import invariance_counts, invariance_line
 from mla_verify.run.harness import run_case
 
@@ -48,49 +54,127 @@ def _ten_percent(out: torch.Tensor) -> None:
     out.mul_(1.1)
 
 
-def _backend(nudge: Any, claim: str) -> TrtllmStyleBackend:
-    backend = TrtllmStyleBackend(f"order-dependent-{claim}", _order_dependent(nudge))
-    backend.batch_invariance = claim
-    return backend
+def _backend(nudge: Any, bits: bool) -> TrtllmStyleBackend:
+    claim = RELATIONS if bits else ()
+    return TrtllmStyleBackend(f"order-dependent-{bits}", _order_dependent(nudge),
+                              TRTLLM_ENVELOPE.narrowed(bit_invariant=claim))
 
 
 def test_order_dependent_bits_fail_a_bit_level_claim() -> None:
-    result = run_case(_backend(_one_ulp, INVARIANT_BITS), SPEC, LayoutSpec(), "cpu", transform="batch")
+    result = run_case(_backend(_one_ulp, True), SPEC, LayoutSpec(), "cpu", transform="batch")
     assert result.verdict == "fail" and result.invariance == INVARIANT_BITS
     assert "not bit-identical with batch order reversed" in result.reason
+    # the first output is right: the diagnosis is the relation's, not a search of that output's keys
+    assert len(result.diagnosis) == 1 and "the relation broke: with batch order reversed, 1 of" in result.diagnosis[0]
+    assert "KV positions" not in result.diagnosis[0]
 
 
-def test_order_dependent_bits_pass_a_tolerance_claim() -> None:
-    result = run_case(_backend(_one_ulp, INVARIANT_WITHIN_TOLERANCE), SPEC, LayoutSpec(), "cpu", transform="batch")
+def test_order_dependent_bits_pass_without_a_claim_and_are_a_note() -> None:
+    result = run_case(_backend(_one_ulp, False), SPEC, LayoutSpec(), "cpu", transform="batch")
     assert result.verdict == "pass", result.failures
     assert result.invariance == INVARIANT_WITHIN_TOLERANCE and result.to_json()["invariance"] == "tolerance"
+    assert result.notes == ["bits moved with batch order reversed, within tolerance (no bit-level invariance "
+                            "claimed for it): 1 of 24576 output elements differ"]
+    assert result.to_json()["notes"] == result.notes
 
 
-def test_a_wrong_result_in_one_order_fails_a_tolerance_claim() -> None:
-    result = run_case(_backend(_ten_percent, INVARIANT_WITHIN_TOLERANCE), SPEC, LayoutSpec(), "cpu",
-                      transform="batch", diagnose=False)
+def test_a_wrong_result_in_one_order_fails_without_a_claim() -> None:
+    result = run_case(_backend(_ten_percent, False), SPEC, LayoutSpec(), "cpu", transform="batch", diagnose=False)
     assert result.verdict == "fail"
-    assert "batch order reversed (judged within tolerance, the backend's claim)" in result.reason
+    assert result.reason.startswith("with batch order reversed (judged within tolerance: the kernel claims no "
+                                    "bit-level invariance for it): ")
 
 
 @pytest.mark.parametrize("transform", ["pages", "table"])
-def test_a_tolerance_claim_covers_the_batch_order_only(transform: str) -> None:
-    """Page moves and table widths do not reach a schedule: they stay bit for bit under either claim."""
-    result = run_case(_backend(_one_ulp, INVARIANT_WITHIN_TOLERANCE), SPEC, LayoutSpec(), "cpu", transform=transform)
+def test_a_claim_is_per_relation(transform: str) -> None:
+    """Claiming the batch order only within tolerance leaves the other relations bit for bit."""
+    backend = TrtllmStyleBackend("batch-only", _order_dependent(_one_ulp),
+                                 TRTLLM_ENVELOPE.narrowed(bit_invariant=tuple(r for r in RELATIONS if r != "batch")))
+    result = run_case(backend, SPEC, LayoutSpec(), "cpu", transform=transform)
     assert result.verdict == "pass" and result.invariance == INVARIANT_BITS
+    assert run_case(backend, SPEC, LayoutSpec(), "cpu", transform="batch").invariance == INVARIANT_WITHIN_TOLERANCE
+
+
+def test_a_nondeterministic_kernel_still_fails_without_a_claim() -> None:
+    """Moved bits within tolerance send the case to the plain repeat, which tells nondeterminism apart: that is a
+    failure whatever the relations claim."""
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        result = correct_kernel(*args, **kwargs)
+        if calls["n"] > 1:  # every call after the first
+            _one_ulp(result[0] if isinstance(result, tuple) else result)
+        return result
+
+    result = run_case(kernel_backend(flaky, "flaky"), SPEC, LayoutSpec(), "cpu", transform="pages")
+    assert result.verdict == "fail" and result.reason.startswith("not bit-identical with a second identical call")
+    assert not result.notes
+
+
+def _pages_dependent(q: torch.Tensor, k_cache: torch.Tensor, *args: Any, indices: torch.Tensor, **kwargs: Any) -> Any:
+    """The correct sparse kernel, one ulp off when the last page it reads has an odd number: its bits move with where
+    its pages sit in the pool (the pages relation renumbers them), its values do not."""
+    out, lse = FaultySparseKernel()(q, k_cache, *args, indices=indices, **kwargs)
+    if int(indices.clamp_min(0).amax()) // k_cache.shape[1] % 2:
+        _one_ulp(out)
+    return out, lse
+
+
+@pytest.mark.parametrize("claim", [True, False])
+def test_a_sparse_kernel_is_held_to_its_claim_as_a_dense_one(claim: bool) -> None:
+    """A sparse kernel of one's own: the pages relation is judged bit for bit only where it claims it (a moved bit
+    then fails, named as the relation), else within tolerance (a moved bit is a note); a row reordered is judged
+    within tolerance either way."""
+    _pages_dependent.mla_verify_envelope = {"devices": ["cpu"], "bit_invariant": claim}  # type: ignore[attr-defined]
+    backend = kernel_backend(_pages_dependent, "pages-dependent", "flashmla-sparse")
+    spec = SparseSpec(batch=2, num_heads=2, topk=64, used_pages=3, extra_pages=2, seed=3)  # last page 3, moved to 4
+    moved = run_case(backend, spec, SPARSE_LAYOUT, "cpu", "pages")
+    if claim:
+        assert moved.verdict == "fail" and moved.invariance == INVARIANT_BITS
+        assert moved.reason.startswith("not bit-identical with the pool's pages permuted (indices renumbered): 1 of ")
+        assert len(moved.diagnosis) == 1 and "the relation broke: with the pool's pages permuted" in moved.diagnosis[0]
+    else:
+        assert moved.verdict == "pass" and moved.invariance == INVARIANT_WITHIN_TOLERANCE, moved.failures
+        # out is [batch 2, 1 token, 2 heads, 512]
+        assert moved.notes == ["bits moved with the pool's pages permuted (indices renumbered), within tolerance (no "
+                               "bit-level invariance claimed for it): 1 of 2048 output elements differ"]
+    reordered = run_case(backend, spec, SPARSE_LAYOUT, "cpu", "topk_order")
+    assert reordered.invariance == INVARIANT_WITHIN_TOLERANCE and not reordered.notes
 
 
 def test_the_backends_claims() -> None:
-    assert get_backend("flashmla").batch_invariance == INVARIANT_WITHIN_TOLERANCE  # whole-batch split-KV schedule
-    assert get_backend("flashmla-fp8").batch_invariance == INVARIANT_WITHIN_TOLERANCE
+    for name in ("flashmla", "flashmla-fp8"):  # whole-batch split-KV schedule
+        assert get_backend(name).envelope.bit_invariant == tuple(r for r in RELATIONS if r != "batch"), name
     for name in ("fa2", "fa3", "fa-auto", "trtllm-gen", "cpu-peer"):
-        assert get_backend(name).batch_invariance == INVARIANT_BITS, name
+        assert get_backend(name).envelope.bit_invariant == RELATIONS, name
+    for name in ("flashmla-sparse", "fa3-sparse", "trtllm-gen-sparse"):  # a row reordered: within tolerance anyway
+        assert get_backend(name).envelope.bit_invariant == tuple(SPARSE_TRANSFORMS), name
+
+
+def test_a_users_kernel_claims_nothing_unless_it_declares_it() -> None:
+    assert kernel_backend(correct_kernel, "mine").envelope.bit_invariant == ()
+
+    def declared(*args: Any, **kwargs: Any) -> Any:
+        return correct_kernel(*args, **kwargs)
+
+    for value, claim in ((True, RELATIONS), (False, ()), (["pages", "batch"], ("pages", "batch")), ([], ())):
+        declared.mla_verify_envelope = {"bit_invariant": value}  # type: ignore[attr-defined]
+        assert kernel_backend(declared, "mine").envelope.bit_invariant == claim
+    declared.mla_verify_envelope = {"bit_invariant": ["batch", "order"]}  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match="envelope field 'bit_invariant' must be true .* got \\['batch', 'order'\\]"):
+        kernel_backend(declared, "mine")
 
 
 def test_the_report_says_which_judgement_was_applied() -> None:
-    cases = [SimpleNamespace(invariance=v) for v in ("tolerance", "bits", "bits", "", "tolerance")]
+    cases = [SimpleNamespace(invariance=v, notes=n) for v, n in
+             (("tolerance", ["moved"]), ("bits", []), ("bits", []), ("", []), ("tolerance", []))]
     counts = invariance_counts(cases)
-    assert counts == {"tolerance": 2, "bits": 2}
-    assert invariance_line("flashmla", counts) == ("flashmla: batch order judged within tolerance (its claim) on "
-                                                   "2 cases, the other metamorphic checks bit for bit on 2")
+    assert counts == {"tolerance": 2, "bits": 2, "moved": 1}
+    assert invariance_line("flashmla", counts) == (
+        "flashmla: metamorphic relations judged within tolerance (no bit-level claim) on 2 cases, bit for bit on 2; "
+        "bits moved within tolerance on 1 (notes, not failures)")
     assert invariance_line("fa3", {"bits": 5}) is None
+    assert invariance_line("fa3-sparse", {"tolerance": 1, "bits": 3}, "sparse") == (
+        "fa3-sparse: metamorphic relations judged within tolerance (a row's reordered entries, or no bit-level claim) "
+        "on 1 case, bit for bit on 3")

@@ -9,7 +9,7 @@ import pytest
 
 from mla_verify.backends.base import Envelope
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE
-from mla_verify.backends.user_kernel import _FIELDS, envelope_from_overrides, load_kernel
+from mla_verify.backends.user_kernel import _FIELDS, USER_ENVELOPE, envelope_from_overrides, load_kernel
 from mla_verify.core.errors import UsageError
 from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
@@ -55,7 +55,8 @@ def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_a_plain_callable_is_held_to_trtllm_gens_envelope(kernels: str) -> None:
     backend = load_kernel(f"{kernels}:plain")
-    assert backend.name == f"{kernels}:plain" and backend.envelope == TRTLLM_ENVELOPE
+    # trtllm-gen's envelope, with no bit-level claim on the metamorphic relations (docs/contracts.md)
+    assert backend.name == f"{kernels}:plain" and backend.envelope == TRTLLM_ENVELOPE.narrowed(bit_invariant=())
     assert backend.description == "A Contract-1 kernel with no declaration."
 
 
@@ -123,7 +124,7 @@ def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
 
 def test_every_envelope_field_can_be_declared() -> None:
     assert set(_FIELDS) == {f.name for f in dataclasses.fields(Envelope)}
-    assert envelope_from_overrides({}) == TRTLLM_ENVELOPE
+    assert envelope_from_overrides({}) == USER_ENVELOPE
     declared = envelope_from_overrides({"dims": [[512, 64], [256, 64]], "dims_by_dtype": [["fp8", [[512, 64]]]]})
     assert declared.dims_for("fp8") == ((512, 64),) and declared.dims_for("bf16") == ((512, 64), (256, 64))
     assert envelope_from_overrides({"windows": [None, 128], "q_lens": [1, 4]}).windows == (None, 128)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.envelope import ENVELOPE_PREFIX, LSE_BASE_2, Envelope, SparseEnvelope
 from ..problems.layouts import LayoutSpec
 
@@ -26,8 +27,9 @@ __all__ = ["ENVELOPE_PREFIX", "LSE_BASE_2", "INVARIANT_BITS", "INVARIANT_WITHIN_
            "Envelope", "PreparedCall", "SparseEnvelope", "WarmupModule", "device_reason"]
 AnyEnvelope = Envelope | SparseEnvelope
 
-# What a backend claims when its batch is reordered (Backend.batch_invariance): the very same bits, or only
-# the same values within the tolerance model (a kernel whose split-KV schedule depends on the whole batch)
+# How a metamorphic relation was judged (CaseResult.invariance): the very same bits, where the relation keeps the
+# arithmetic (kinds.Relation.bits) and the backend claims them (its envelope's ``bit_invariant``), else the same
+# values within the tolerance model
 INVARIANT_BITS = "bits"
 INVARIANT_WITHIN_TOLERANCE = "tolerance"
 
@@ -86,8 +88,9 @@ class Backend(ABC):
     # convention it was named with ("convention"): reproducers record it, so that replay finds the kernel from
     # any directory and calls it the same way (user_kernel.load_kernel)
     source: dict[str, str] | None = None
-    # the batch-order metamorphic check judges by this claim (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE)
-    batch_invariance: str = INVARIANT_BITS
+    # what the kernel rounds, by problem dtype (problems/arithmetic.py): the tolerance model's baseline emulates
+    # it; a dtype not named here is judged against the plain baseline (arithmetic.DEFAULT)
+    arithmetic: dict[str, Arithmetic] = {}
     # sparse: formats whose packed bytes the kernel never sees: ``prepare`` widens such a problem's cache to bf16
     # rows (outside the call), so the kernel's traffic is the bf16 problem's (the bench times those as bf16 only)
     widened_formats: tuple[str, ...] = ()
@@ -96,6 +99,16 @@ class Backend(ABC):
     def kind(self) -> str:
         """The kind of problem this backend is judged on (problems/envelope.py's DENSE or SPARSE)."""
         return self.envelope.kind
+
+    def arithmetic_for(self, dtype: str, resolved_backend: str | None = None) -> Arithmetic:
+        """The arithmetic of this backend's kernel on ``dtype`` problems (``resolved_backend``: the kernel a
+        policy backend chose for the case, which declares its own)."""
+        return self.arithmetic.get(dtype, DEFAULT)
+
+    def claims_bits(self, relation: str) -> bool:
+        """Whether the backend claims the very same bits under the metamorphic ``relation`` (else its output is
+        judged within tolerance)."""
+        return relation in self.envelope.bit_invariant
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on ``device`` at all (library, architecture), or None."""

@@ -22,7 +22,18 @@ Read from FlashMLA's public source at commit 9241ae3 (2026-04-29), ``flash_mla/f
   fp32 in natural log; a row with no keys gets out 0 and LSE +inf.
 - Batch order: FlashMLA splits each sequence's KV over SM partitions by a schedule computed from the whole
   batch's lengths, so reversing the batch moves the split points and the bits (not the values): the backends
-  claim batch-order invariance within tolerance only (``Backend.batch_invariance``).
+  claim batch-order invariance within tolerance only (``Envelope.bit_invariant`` leaves "batch" out).
+- fp8 arithmetic (``FLASHMLA_FP8_ARITHMETIC``, read from sgl-project/FlashMLA ``csrc/extension/sm90/dense_fp8``):
+  QK^T is an fp8 WGMMA with fp32 accumulators (``flash_fwd_mla_kernel.h``: ``TiledMma`` of e4m3 x e4m3 ->
+  float, K = 576 in 32-wide steps); ``scale_softmax = softmax_scale * descale_q * descale_k`` in fp32
+  (``flash_fwd_splitkv_mla_kernel``); the 64-key blocks of a split are visited last first (``n_block =
+  n_block_max - 1``, ``--n_block``), each with the running max, P = exp2(s * scale_log2 - max * scale_log2) in
+  fp32 and the row sum of that fp32 P (``softmax.h``: ``softmax``, ``reduce_sum``); P is converted to e4m3
+  (``convert_type_out(tOrP_acc, tOrP)``) and P.V is an fp8 WGMMA accumulating into the running output
+  (``gemm</*zero_init=*/false>(tiled_mma_o, tOrP, tOrVt, tOrO)`` after ``rescale_o``); a split ends with
+  O *= descale_k / row_sum, LSE = row_max * scale_softmax + log(row_sum) (``normalize_softmax_lse``), and the
+  splits are merged in fp32 by their LSE (``flash_fwd_splitkv_mla_combine_kernel``), then bf16. The schedule is
+  ``get_mla_metadata_kernel``'s (``flash_fwd_mla_metadata.cu``), ported in ``flashmla_fp8_splits``.
 
 The callables are injected (``FlashMLAApi``): the real ``flash_mla`` functions by default, or a stand-in with
 either interface (``mla_verify.kernels.flashmla_cpu``), which is how the layout code above is proven on CPU.
@@ -30,16 +41,19 @@ either interface (``mla_verify.kernels.flashmla_cpu``), which is how the layout 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..core.dims import softmax_scale as model_softmax_scale
+from ..problems.arithmetic import SCALE_ON_SCORES, Accumulator, Arithmetic
 from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, trtllm_args
+from ..problems.metamorphic import BATCH_ORDER, RELATIONS
 from ..problems.problem import DecodeProblem
-from .base import INVARIANT_WITHIN_TOLERANCE, Backend, Envelope, PreparedCall
+from .base import Backend, Envelope, PreparedCall
 from .flashmla_api import FlashMLAApi, flashmla_unavailable, installed_api, needs_wheel
 
 NO_ROPE_DIMS = (512, 0)
@@ -47,6 +61,7 @@ FLASHMLA_ENVELOPE = Envelope(
     devices=("cuda",), archs=((9, 0),), page_sizes=(64,), dims=((512, 64), NO_ROPE_DIMS), heads=None,
     max_heads=128, dtypes=("bf16",), q_len=(1, 16), cache_dims=(3,), page_strided=True,
     table_widths=("native", "pad128"), pass_out=(False,), lse=True, lse_base=math.e,
+    bit_invariant=tuple(r for r in RELATIONS if r != BATCH_ORDER),  # the schedule depends on the whole batch
     notes="dense_decode: SM90a, bf16/fp16 (fp16 out is not Contract 1's bf16), page 64, head_size_k 576 or "
           "512, head_dim_v 512, h_q % h_k == 0; one layout [blocks, 64, 1, D] whatever cache_dims says; "
           "FlashMLA allocates out; natural-log LSE [B, H, q_len]",
@@ -55,6 +70,42 @@ FLASHMLA_FP8_ENVELOPE = FLASHMLA_ENVELOPE.narrowed(
     dims=((512, 64),), dtypes=("fp8",),
     notes="sgl-flash-mla's dense fp8 (fwd_kvcache_mla_fp8): SM90, fp8 e4m3 query and cache [blocks, 64, 1, 576] "
           "with per-tensor descale_q/descale_k (1,) fp32, head_size_k 576 only, bf16 out, natural-log LSE")
+BLOCK_N, BLOCK_M, FIXED_OVERHEAD_BLOCKS = 64, 64, 5  # flash_fwd_mla_metadata.cu / dense_fp8_python_api.cpp
+
+
+def flashmla_fp8_splits(seq_lens: Sequence[int], rows: int, sm_count: int) -> list[list[tuple[int, int]]]:
+    """The dense fp8 kernel's split-KV schedule (``get_mla_metadata_kernel``): (start, end) keys of each split of
+    each request, for ``rows`` query rows per KV head (q_len * heads) on ``sm_count`` SMs. The batch's blocks plus
+    a fixed overhead per request are dealt out to ``sm_count / ceil(rows / 64)`` partitions in order, each taking
+    a payload of ceil(total / partitions) + 5 blocks: a request that does not fit the rest of one partition's
+    payload is split there."""
+    parts = sm_count // -(-rows // BLOCK_M)
+    blocks = [-(-n // BLOCK_N) for n in seq_lens]
+    payload = -(-sum(n + FIXED_OVERHEAD_BLOCKS for n in blocks) // parts) + FIXED_OVERHEAD_BLOCKS
+    splits: list[list[tuple[int, int]]] = [[] for _ in seq_lens]
+    i = begin = 0
+    for _ in range(parts):
+        left = payload
+        while i < len(blocks):
+            if left >= blocks[i] - begin + FIXED_OVERHEAD_BLOCKS:  # the rest of request i fits this partition
+                splits[i].append((begin * BLOCK_N, seq_lens[i]))
+                left -= blocks[i] - begin + FIXED_OVERHEAD_BLOCKS
+                i, begin = i + 1, 0
+            else:
+                if left > FIXED_OVERHEAD_BLOCKS:
+                    splits[i].append((begin * BLOCK_N, (begin + left - FIXED_OVERHEAD_BLOCKS) * BLOCK_N))
+                    begin += left - FIXED_OVERHEAD_BLOCKS
+                break
+    return splits
+
+
+# What the dense fp8 kernel rounds (the module docstring has the source). The accumulator model is Hopper's fp8
+# WGMMA as benchmarks/flashmla_fp8_analysis.py measured it against the wheel on an H100.
+FLASHMLA_FP8_ARITHMETIC = Arithmetic(
+    "FlashMLA dense fp8", scale=SCALE_ON_SCORES, qk=Accumulator(), p_dtype="e4m3", p_block=BLOCK_N,
+    pv=Accumulator(), splits=flashmla_fp8_splits,
+    source="sgl-project/FlashMLA csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h, softmax.h, "
+           "flash_fwd_mla_metadata.cu")
 
 
 @dataclass
@@ -83,7 +134,7 @@ class FlashMLABackend(Backend):
     """FlashMLA's dense decode through ``api`` (the installed ``flash_mla`` when None); ``fp8``: its per-tensor
     fp8 path, which only the sgl-flash-mla interface has."""
 
-    batch_invariance = INVARIANT_WITHIN_TOLERANCE  # the split-KV schedule depends on the whole batch
+    arithmetic = {"fp8": FLASHMLA_FP8_ARITHMETIC}
 
     def __init__(self, name: str = "flashmla", api: FlashMLAApi | None = None,
                  envelope: Envelope = FLASHMLA_ENVELOPE,

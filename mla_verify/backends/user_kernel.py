@@ -2,7 +2,7 @@
 of Contract 1 (docs/contracts.md) becomes a backend, of the problem kind its convention computes:
 
 - ``trtllm`` -- FlashInfer's ``trtllm_batch_decode_with_kv_cache_mla``, dense decode, held to trtllm-gen's
-  envelope (``TRTLLM_ENVELOPE``);
+  envelope (``USER_ENVELOPE``: ``TRTLLM_ENVELOPE`` with no bit-level claims);
 - ``trtllm-sparse`` -- the same function with ``sparse_mla_top_k``: sparse top-k decode, its block tables the
   ``[B, q_len, topk]`` token slots (``USER_TRTLLM_SPARSE_ENVELOPE``);
 - ``flashmla-sparse`` -- FlashMLA's ``flash_mla_with_kvcache(..., indices=...)``: sparse decode over a packed
@@ -20,6 +20,12 @@ attribute holding field overrides of its convention's envelope (an ``Envelope``'
 
 Lists stand for tuples; ``archs`` and ``dims`` are lists of pairs. Unknown fields or ill-typed values are a
 UsageError (exit 2), never a silent fallback to the default envelope. See docs/backends.md.
+
+A user's kernel claims no bit-level invariance by default: its metamorphic relations (the batch reversed, pages
+moved, ...) are judged by the tolerance model, and bits that move within it are a note. ``"bit_invariant":
+true`` claims every relation of its kind bit for bit, a list (e.g. ``["pages", "pool"]``; a sparse kernel's
+``["pages"]``) those named (docs/contracts.md); a sparse relation that reorders a row's sum is judged within
+tolerance whatever is claimed.
 """
 from __future__ import annotations
 
@@ -42,8 +48,9 @@ from ..core.tracebacks import exception_line
 from ..problems.envelope import SparseEnvelope
 from ..problems.generate import DTYPES
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS
+from ..problems.metamorphic import RELATIONS
 from ..problems.packed import SCALE_CONVENTIONS
-from ..problems.sparse import SPARSE_FORMATS
+from ..problems.sparse import SPARSE_FORMATS, SPARSE_TRANSFORMS
 from .base import AnyEnvelope, Backend
 from .flashinfer_trtllm import TRTLLM_GEN_SPARSE_ENVELOPE, FlashInferSparseBackend
 from .flashmla_api import FlashMLAApi
@@ -53,11 +60,14 @@ from .trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 ENVELOPE_ATTR = "mla_verify_envelope"
 TRTLLM, TRTLLM_SPARSE, FLASHMLA_SPARSE = "trtllm", "trtllm-sparse", "flashmla-sparse"
 CONVENTIONS = (TRTLLM, TRTLLM_SPARSE, FLASHMLA_SPARSE)
-# a user's sparse kernel may run anywhere it says; by default on CPU and any GPU, within its library's limits
+# what a user's kernel is held to unless it declares otherwise: its convention's envelope with no bit-level
+# claims; a sparse one runs anywhere it says, by default on CPU and any GPU, within its library's limits
+USER_ENVELOPE = TRTLLM_ENVELOPE.narrowed(bit_invariant=())
 USER_TRTLLM_SPARSE_ENVELOPE = replace(TRTLLM_GEN_SPARSE_ENVELOPE, devices=("cuda", "cpu"), archs=None,
-                                      pass_out=(True, False), notes="trtllm-sparse convention (a user kernel)")
+                                      pass_out=(True, False), bit_invariant=(),
+                                      notes="trtllm-sparse convention (a user kernel)")
 USER_FLASHMLA_SPARSE_ENVELOPE = replace(FLASHMLA_SPARSE_ENVELOPE, devices=("cuda", "cpu"), archs=None,
-                                        notes="flashmla-sparse convention (a user kernel)")
+                                        bit_invariant=(), notes="flashmla-sparse convention (a user kernel)")
 
 
 def _int(v: Any) -> bool:
@@ -74,6 +84,12 @@ def _pairs(v: Any) -> bool:
 
 def _among(allowed: Any) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(x in allowed for x in v)
+
+
+def _claim(relations: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
+    """The check of a declared ``bit_invariant`` among ``relations``."""
+    return (lambda v: isinstance(v, bool) or v == [] or _among(relations)(v),
+            f"true (every relation bit for bit), false, or a list of {list(relations)}")
 
 
 # field -> (value check, what a valid value looks like)
@@ -104,6 +120,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_batch": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "max_seq_len": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "notes": (lambda v: isinstance(v, str), "a string"),
+    "bit_invariant": _claim(RELATIONS),
 }
 
 
@@ -118,6 +135,7 @@ _SPARSE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "topk_length_formats": (lambda v: isinstance(v, (list, tuple)) and all(x in SPARSE_FORMATS for x in v),
                             f"a list of {list(SPARSE_FORMATS)}"),
     "sinks": (lambda v: isinstance(v, bool), "true or false"),
+    "bit_invariant": _claim(tuple(SPARSE_TRANSFORMS)),
 }
 
 
@@ -125,11 +143,19 @@ def _tupled(v: Any) -> Any:
     return tuple(_tupled(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
-def envelope_from_overrides(overrides: Any, base: AnyEnvelope = TRTLLM_ENVELOPE, owner: str = "kernel") -> Any:
+def _field(name: str, value: Any, relations: tuple[str, ...]) -> Any:
+    """A declared value as the envelope field holds it (``relations``: the envelope kind's, for bit_invariant)."""
+    if name == "bit_invariant" and isinstance(value, bool):
+        return relations if value else ()
+    return _tupled(value)
+
+
+def envelope_from_overrides(overrides: Any, base: AnyEnvelope = USER_ENVELOPE, owner: str = "kernel") -> Any:
     """``base`` (an Envelope or a SparseEnvelope) with a kernel's declared field overrides applied; UsageError
     naming the first bad field."""
     kind = type(base).__name__
-    fields = _SPARSE_FIELDS if isinstance(base, SparseEnvelope) else _FIELDS
+    sparse = isinstance(base, SparseEnvelope)
+    fields = _SPARSE_FIELDS if sparse else _FIELDS
     if not isinstance(overrides, dict):
         raise UsageError(f"{owner}: {ENVELOPE_ATTR} must be a dict of {kind} fields, "
                          f"got {type(overrides).__name__}")
@@ -141,7 +167,8 @@ def envelope_from_overrides(overrides: Any, base: AnyEnvelope = TRTLLM_ENVELOPE,
         check, expected = fields[name]
         if not check(value):
             raise UsageError(f"{owner}: envelope field '{name}' must be {expected}, got {value!r}")
-    return replace(base, **{k: _tupled(v) for k, v in overrides.items()})
+    relations = tuple(SPARSE_TRANSFORMS) if sparse else RELATIONS
+    return replace(base, **{k: _field(k, v, relations) for k, v in overrides.items()})
 
 
 def load_kernel(target: str, flag: str = "--kernel", recorded: Any = None, convention: str | None = None) -> Backend:
@@ -219,14 +246,15 @@ def kernel_convention(fn: Any) -> str:
 
 def kernel_backend(fn: Any, name: str, convention: str | None = None, flag: str = "--convention") -> Backend:
     """A backend named ``name`` calling ``fn`` by its calling convention (``convention``, else its signature's),
-    held to its declared envelope (or its convention's); its description is the first line of its docstring."""
+    held to its declared envelope (or its convention's, with no bit-level claims); its description is the first
+    line of its docstring."""
     if not callable(fn):
         raise UsageError(f"kernel '{name}' is a {type(fn).__name__}, not a callable")
     if convention is not None and convention not in CONVENTIONS:
         raise UsageError(f"{flag}: unknown calling convention '{convention}'{did_you_mean(convention, CONVENTIONS)}; "
                          f"known: {', '.join(CONVENTIONS)}")
     convention = convention or kernel_convention(fn)
-    base: Any = {TRTLLM: TRTLLM_ENVELOPE, TRTLLM_SPARSE: USER_TRTLLM_SPARSE_ENVELOPE,
+    base: Any = {TRTLLM: USER_ENVELOPE, TRTLLM_SPARSE: USER_TRTLLM_SPARSE_ENVELOPE,
             FLASHMLA_SPARSE: USER_FLASHMLA_SPARSE_ENVELOPE}[convention]
     declared = getattr(fn, ENVELOPE_ATTR, None)
     envelope = base if declared is None else envelope_from_overrides(declared, base, owner=f"kernel '{name}'")

@@ -268,8 +268,17 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def _print_backend_result(result: Any) -> None:
-    """A backend's summary: verdict and counts, its worker's warm-up, what it resolved to, its claims, its time."""
-    from ..records.report import distinct_cases, invariance_counts, invariance_line, resolution_line, resolutions
+    """A backend's summary: verdict and counts, its worker's warm-up, what it resolved to, its claims, the
+    emulation that judged it, its time."""
+    from ..records.report import (
+        distinct_cases,
+        emulation_line,
+        emulations,
+        invariance_counts,
+        invariance_line,
+        resolution_line,
+        resolutions,
+    )
     from ..run import stage_times
 
     print(_summary_line(result), flush=True)
@@ -278,6 +287,8 @@ def _print_backend_result(result: Any) -> None:
         print(f"  {resolution_line(result.backend, resolved)}", flush=True)
     if claimed := invariance_line(result.backend, invariance_counts(distinct_cases(result)), result.kind):
         print(f"  {claimed}", flush=True)
+    if emulated := emulation_line(result.backend, emulations(distinct_cases(result))):
+        print(f"  {emulated}", flush=True)
     print(f"  {stage_times.describe(stage_times.breakdown(result))}", flush=True)
 
 

@@ -29,6 +29,7 @@ class Profile:
     corner_cases: bool
     targeted: bool
     minutes: float | None = None  # wall-clock bound (fuzz)
+    fp8_probes: bool = False  # half the fp8 cases near-identical keys or one key (strategies.FP8_PROBES)
     # (k, n): judge only cases k, k+n, k+2n, ... of the corner cases and of the drawn sequence (pytest shard k
     # of n); every shard draws the whole sequence, so together the shards judge the cases one process would
     share: tuple[int, int] = (0, 1)
@@ -37,7 +38,7 @@ class Profile:
 PROFILES = {
     "premerge": Profile("premerge", max_examples=60, deterministic=True, corner_cases=True, targeted=False),
     "fuzz": Profile("fuzz", max_examples=1_000_000, deterministic=False, corner_cases=False, targeted=True,
-                    minutes=5.0),
+                    minutes=5.0, fp8_probes=True),
     "dev": Profile("dev", max_examples=10, deterministic=True, corner_cases=False, targeted=False),
 }
 

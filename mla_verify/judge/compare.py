@@ -5,7 +5,9 @@ same-precision PyTorch computation (the *baseline*) against the high-precision r
 the rounding any bf16 output must make. The baseline is what a plain bf16 PyTorch implementation does --
 ``(q * scale)`` rounded to bf16 before the product, fp32 scores and softmax, probabilities rounded to the
 operand precision before the second product, output rounded to bf16. Both errors are measured on the very
-same problem, so the bound adapts to sequence length, head count and value distribution.
+same problem, so the bound adapts to sequence length, head count and value distribution. A backend that
+declares its arithmetic (problems/arithmetic.py) is judged against a baseline that makes exactly its roundings
+instead (emulation.py); the verdict names that emulation.
 
 Calibration (benchmarks/tolerance_probe.py and fuzz runs, H200, FlashInfer 0.7.2.post1; docs/verified.md):
 on 2 x 69 drawn cases fa2/fa3 error / this baseline's error was at most 1.36 (relative L2) and 1.73 (max abs),
@@ -18,8 +20,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.problem import DecodeProblem
 from ..problems.reference import ReferenceResult, fast_matmul_mode, reference_decode
+from .emulation import emulated
 
 # FlashAttention's factor is 2x the baseline's error (4x for fp8, as in their fp8 tests). Measured on an H200
 # (fa3 fuzz, 2026-12-01, docs/verified.md): FlashInfer fa3 reached 2.36x in relative L2 on heavy-tailed
@@ -60,6 +64,7 @@ class ErrorStats:
     lse_max_abs: float | None = None
     allowed_lse_abs: float | None = None
     nonfinite: int = 0  # inf/NaN elements of out (left out of the errors above; any is a failure)
+    emulation: str = ""  # the declared arithmetic the baseline emulated (Arithmetic.name); "" the plain baseline
 
     @property
     def error_ratio(self) -> float:
@@ -76,8 +81,11 @@ class ErrorStats:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
 
-def baseline_result(problem: DecodeProblem, dtype: str) -> ReferenceResult:
-    """The same-precision PyTorch computation (see the module docstring): bf16 output, and its LSE."""
+def baseline_result(problem: DecodeProblem, dtype: str, arithmetic: Arithmetic = DEFAULT) -> ReferenceResult:
+    """The same-precision PyTorch computation (see the module docstring): bf16 output, and its LSE; in
+    ``arithmetic`` when a backend declares one."""
+    if arithmetic != DEFAULT:
+        return emulated(problem, arithmetic, P_DTYPE[dtype])
     scaled_q = (problem.query.to(torch.float64) * problem.bmm1_scale).to(torch.bfloat16)
     folded = replace(problem, query=scaled_q, bmm1_scale=1.0)
     low = reference_decode(folded, torch.float32, p_dtype=P_DTYPE[dtype], matmul=fast_matmul_mode(folded))
@@ -99,10 +107,10 @@ def lse_allowed(want: torch.Tensor, slack: float) -> torch.Tensor:
 
 
 def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, baseline: ReferenceResult,
-            dtype: str, lse_base: float | None) -> tuple[ErrorStats | None, list[str]]:
+            dtype: str, lse_base: float | None, emulation: str = "") -> tuple[ErrorStats | None, list[str]]:
     """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference, with ``baseline``
     (baseline_result) setting the allowance; of a ragged problem only the rows that are query tokens
-    (judged_rows)."""
+    (judged_rows). ``emulation``: the declared arithmetic the baseline emulated, named in the verdict."""
     failures: list[str] = []
     if tuple(out.shape) != tuple(ref.out.shape):
         return None, [f"out has shape {tuple(out.shape)}, expected {tuple(ref.out.shape)}"]
@@ -138,15 +146,16 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
     worst = _unravel(int(worst_at), tuple(err.shape))
     cos_diff = 1 - 2 * xy / max(xx + yy, 1e-300)
     stats = ErrorStats(max_abs, allowed_max, rel, allowed_rel, base_max, base_rel, cos_diff, worst,
-                       nonfinite=int(nonfinite))
+                       nonfinite=int(nonfinite), emulation=emulation)
     where = "batch {}, token {}, head {}, dim {}".format(*worst)
+    baseline_name = f"baseline (emulating {emulation})" if emulation else "baseline"
     if max_abs > allowed_max:
         failures.append(f"max |out - ref| = {max_abs:.3g} > allowed {allowed_max:.3g} "
-                        f"({factor:g}x baseline {stats.baseline_max_abs:.3g} + floor {floor:.2g}) at {where}: "
+                        f"({factor:g}x {baseline_name} {stats.baseline_max_abs:.3g} + floor {floor:.2g}) at {where}: "
                         f"kernel {float(o[worst]):.6g}, reference {float(r[worst]):.6g}")
     if rel > allowed_rel:
         failures.append(f"relative L2 error {rel:.3g} > allowed {allowed_rel:.3g} ({factor:g}x the larger of the "
-                        f"baseline's {base_rel:.3g} and a bf16 output's expected rounding {rounding_rel:.3g})")
+                        f"{baseline_name}'s {base_rel:.3g} and a bf16 output's expected rounding {rounding_rel:.3g})")
     base_cos = 1 - 2 * br / max(bb + rr, 1e-300)
     # FlashMLA's constant holds for unit-normal values; heavy-tailed ones push even the baseline past it. The
     # cosine difference is ~ rel_l2^2 / 2, so a kernel FACTOR times as wrong has FACTOR^2 times the baseline's.
@@ -157,7 +166,7 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
         if lse is None:
             failures.append("LSE was requested but not returned")
         else:
-            _compare_lse(lse, ref, lse_base, stats, failures, lse_slack(baseline, ref, dtype))
+            _compare_lse(lse, ref, lse_base, stats, failures, lse_slack(baseline, ref, dtype), baseline_name)
     return stats, failures
 
 
@@ -172,7 +181,7 @@ def judged_rows(x: torch.Tensor, ref: ReferenceResult, fill: torch.Tensor | floa
 
 
 def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
-                 failures: list[str], slack: float) -> None:
+                 failures: list[str], slack: float, baseline_name: str = "baseline") -> None:
     """``slack``: lse_slack, added to the fixed bound."""
     if tuple(lse.shape) != tuple(ref.lse.shape):
         failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} "
@@ -196,7 +205,7 @@ def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: Er
         failures.append(f"LSE (base {_base_name(base)}) off at batch {b}, token {t}, head {h}: kernel "
                         f"{float(lse[b, t, h]):.6g}, reference {float(want[b, t, h] / math.log(base)):.6g} "
                         f"({int(bad.sum())} of {bad.numel()} values outside {LSE_ABS_TOL:g} + {LSE_REL_TOL:g}|lse|"
-                        f"{f' + {slack:.3g} (the baseline)' if slack else ''})")
+                        f"{f' + {slack:.3g} (the {baseline_name})' if slack else ''})")
 
 
 def _nonfinite_message(o: torch.Tensor, finite: torch.Tensor) -> str:

@@ -31,6 +31,7 @@ from ..core.dims import R1_YARN_FACTOR, yarn_mscale
 from ..core.errors import ProblemError
 from ..core.memory import is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.layouts import padded_width
 from ..problems.problem import FP8, DecodeProblem
 from ..problems.reference import ReferenceResult, reference_decode
@@ -219,10 +220,11 @@ def diagnose(problem: DecodeProblem, kernel_out: torch.Tensor, kernel_lse: torch
 
 def diagnose_safely(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None = None,
                     lse_base: float = 2.0, truth: ReferenceResult | None = None,
-                    rerun: Rerun | None = None) -> list[str]:
+                    rerun: Rerun | None = None, arithmetic: Arithmetic = DEFAULT) -> list[str]:
     """The catalog's explanations of a failing output, else localize.py's lines on where it is wrong; never
     raises (but KeyboardInterrupt): an error inside is reported as one line, the verdict stands without it.
-    ``rerun`` runs the kernel on another problem (localize.py uses it to tell where a NaN comes from)."""
+    ``rerun`` runs the kernel on another problem (localize.py uses it to tell where a NaN comes from);
+    ``arithmetic``: the kernel's declared one, which localize.py's row-by-row tolerance emulates."""
     from .localize import localize  # localize builds on this module's bar for a match
 
     try:
@@ -230,7 +232,7 @@ def diagnose_safely(problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor
         found = diagnose(problem, out, lse, lse_base, truth, rerun)
         if found:
             return explanation_lines(DENSE_CATALOGUE, found)
-        return localize(problem, out, truth, lse, lse_base, rerun)
+        return localize(problem, out, truth, lse, lse_base, rerun, arithmetic)
     except Exception as exc:  # noqa: BLE001 - diagnosis is advice: it must never turn a verdict into a crash
         if is_out_of_memory(exc):
             release_cached(problem.device)

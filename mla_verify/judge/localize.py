@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.generate import dtype_name
 from ..problems.problem import DecodeProblem
 from ..problems.reference import ReferenceResult, reference_decode
@@ -49,13 +50,14 @@ LISTED = 6  # entries named before "... and N more"
 
 
 def localize(problem: DecodeProblem, out: torch.Tensor, truth: ReferenceResult, lse: torch.Tensor | None = None,
-             lse_base: float = 2.0, rerun: Rerun | None = None) -> list[str]:
+             lse_base: float = 2.0, rerun: Rerun | None = None, arithmetic: Arithmetic = DEFAULT) -> list[str]:
     """Lines (each starting with ``WHERE``) saying where ``out`` [B, q_len, H, L] (and ``lse`` [B, q_len, H]
-    in ``lse_base``) are wrong and right; ``rerun`` runs the kernel again, to tell a NaN's cause."""
+    in ``lse_base``) are wrong and right; ``rerun`` runs the kernel again, to tell a NaN's cause; rows are
+    judged against a baseline in the kernel's declared ``arithmetic``."""
     dtype = dtype_name(problem)
     out = judged_rows(out, truth)  # a ragged problem's padding rows: 0, neither wrong nor non-finite
     wide = exact_bf16(problem)
-    baseline = baseline_result(wide, dtype)
+    baseline = baseline_result(wide, dtype, arithmetic)
     err, allowed = _row_errors(out, truth, baseline, dtype)
     wrong = err > allowed
     # a ragged problem's padding rows are neither wrong nor right: counted out, and either in a region's words

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ..draw.strategies import Budget, Case
 from ..judge.compare import ErrorStats, compare
 from ..judge.explains import Rerun
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.layouts import LayoutSpec
 from ..problems.reference import ReferenceResult
 
@@ -32,8 +33,9 @@ class Relation:
     """A metamorphic relation: a change of the problem that must not change a correct kernel's output.
 
     ``apply(problem, seed)`` gives the changed problem and the map of its output back to the original's order;
-    ``bits``: a deterministic kernel gives the very same bits (the change moves data, not arithmetic), else its
-    output is judged by the tolerance model against the original problem's reference."""
+    ``bits``: a deterministic kernel gives the very same bits (the change moves data, not arithmetic) -- judged so
+    where its backend claims them (``Backend.claims_bits``) --, else its output is judged by the tolerance model
+    against the original problem's reference."""
 
     description: str
     apply: Callable[[Any, int], tuple[Any, Unmap]]
@@ -62,17 +64,18 @@ class ProblemKind(ABC):
         """What a case's output is judged against: exact on CPUs, the reference's fast mode on GPUs."""
 
     @abstractmethod
-    def baseline(self, problem: Any, dtype: str) -> ReferenceResult:
-        """The same-precision computation whose error against the reference sets the allowance."""
+    def baseline(self, problem: Any, dtype: str, arithmetic: Arithmetic = DEFAULT) -> ReferenceResult:
+        """The same-precision computation whose error against the reference sets the allowance: in the kernel's
+        declared ``arithmetic`` (problems/arithmetic.py; DEFAULT: the plain baseline)."""
 
     @abstractmethod
     def dtype(self, problem: Any) -> str:
         """The tolerance model's dtype for ``problem`` (judge/compare.py's FACTOR and floors)."""
 
     @abstractmethod
-    def cases(self, env: Any, budget: Budget) -> st.SearchStrategy[Case]:
+    def cases(self, env: Any, budget: Budget, fp8_probes: bool = False) -> st.SearchStrategy[Case]:
         """Drawn cases inside ``env`` and ``budget``: spec, layout and metamorphic relation; each shrinks toward
-        the plainest case."""
+        the plainest case. ``fp8_probes``: the profile's (draw/profiles.py), for a kind that has fp8 problems."""
 
     @abstractmethod
     def corner_cases(self, env: Any, budget: Budget) -> list[Case]:
@@ -97,15 +100,19 @@ class ProblemKind(ABC):
 
     @abstractmethod
     def diagnose(self, problem: Any, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
-                 truth: ReferenceResult | None = None, rerun: Rerun | None = None) -> list[str]:
-        """The catalogued misreadings that explain a failing output, else where it is wrong; never raises."""
+                 truth: ReferenceResult | None = None, rerun: Rerun | None = None,
+                 arithmetic: Arithmetic = DEFAULT) -> list[str]:
+        """The catalogued misreadings that explain a failing output, else where it is wrong (rows judged against
+        the baseline in the kernel's declared ``arithmetic``); never raises."""
 
-    def judge_output(self, problem: Any, out: torch.Tensor, lse: torch.Tensor | None,
-                     lse_base: float | None) -> tuple[ErrorStats | None, list[str]]:
+    def judge_output(self, problem: Any, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float | None,
+                     arithmetic: Arithmetic = DEFAULT) -> tuple[ErrorStats | None, list[str]]:
         """(error statistics, failures: none when it passes) of a kernel's canonical output on ``problem``, as
-        the harness judges it (``lse`` in ``lse_base``; None: not judged)."""
+        the harness judges it (``lse`` in ``lse_base``; None: not judged; ``arithmetic``: the kernel's declared
+        one, which the baseline emulates)."""
         dtype = self.dtype(problem)
-        return compare(out, lse, self.reference(problem), self.baseline(problem, dtype), dtype, lse_base)
+        return compare(out, lse, self.reference(problem), self.baseline(problem, dtype, arithmetic), dtype, lse_base,
+                       arithmetic.emulation)
 
     def transform(self, problem: Any, name: str, seed: int) -> tuple[Any, Unmap]:
         """``problem`` under relation ``name``."""

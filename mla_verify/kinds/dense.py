@@ -22,6 +22,7 @@ from ..draw import strategies
 from ..judge.compare import baseline_result
 from ..judge.diagnose import diagnose_safely
 from ..problems import metamorphic
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.envelope import DENSE, Envelope
 from ..problems.generate import ProblemSpec, build_problem, dtype_name
 from ..problems.layouts import LayoutSpec
@@ -36,7 +37,7 @@ FEATURES = len(PLAIN_SPEC) + len(PLAIN_LAYOUT) + 1  # and the metamorphic relati
 
 
 def _relation(name: str) -> Relation:
-    """A deterministic kernel keeps its bits under each (the batch order: unless its backend claims less)."""
+    """A deterministic kernel keeps its bits under each (judged so where its backend claims them)."""
     return Relation(metamorphic.DESCRIPTIONS[name], lambda p, seed: metamorphic.transform(p, name, seed))
 
 
@@ -56,14 +57,15 @@ class DenseKind(ProblemKind):
             return reference_decode(problem, torch.float64)
         return reference_decode(problem, torch.float32, matmul=fast_matmul_mode(problem))
 
-    def baseline(self, problem: DecodeProblem, dtype: str) -> ReferenceResult:
-        return baseline_result(problem, dtype)
+    def baseline(self, problem: DecodeProblem, dtype: str, arithmetic: Arithmetic = DEFAULT) -> ReferenceResult:
+        """judge/compare.py's, emulating a declared arithmetic (judge/emulation.py)."""
+        return baseline_result(problem, dtype, arithmetic)
 
     def dtype(self, problem: DecodeProblem) -> str:
         return dtype_name(problem)
 
-    def cases(self, env: Envelope, budget: strategies.Budget) -> st.SearchStrategy[Case]:
-        return strategies.cases(env, budget)
+    def cases(self, env: Envelope, budget: strategies.Budget, fp8_probes: bool = False) -> st.SearchStrategy[Case]:
+        return strategies.cases(env, budget, fp8_probes)
 
     def corner_cases(self, env: Envelope, budget: strategies.Budget) -> list[Case]:
         return strategies.corner_cases(env, budget)
@@ -77,8 +79,9 @@ class DenseKind(ProblemKind):
                 spec.batch * spec.q_len * spec.num_heads)
 
     def diagnose(self, problem: DecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
-                 truth: ReferenceResult | None = None, rerun: Rerun | None = None) -> list[str]:
-        return diagnose_safely(problem, out, lse, lse_base, truth, rerun=rerun)
+                 truth: ReferenceResult | None = None, rerun: Rerun | None = None,
+                 arithmetic: Arithmetic = DEFAULT) -> list[str]:
+        return diagnose_safely(problem, out, lse, lse_base, truth, rerun=rerun, arithmetic=arithmetic)
 
     def rerun_layout(self, layout: LayoutSpec) -> LayoutSpec:
         """Contiguous pages: the NaN between strided pages must not stand in for the poison a re-run replaced."""

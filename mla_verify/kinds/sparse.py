@@ -24,6 +24,7 @@ from ..draw.sparse_strategies import sparse_cases, sparse_corner_cases
 from ..draw.strategies import Budget
 from ..judge.sparse_catalog import diagnose_sparse
 from ..problems import sparse
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.envelope import SPARSE, SparseEnvelope
 from ..problems.reference import ReferenceResult
 from ..problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
@@ -58,13 +59,17 @@ class SparseKind(ProblemKind):
         """float64 on every device: a sparse problem gathers only its B x q_len x topk rows."""
         return sparse_reference(problem)
 
-    def baseline(self, problem: SparseDecodeProblem, dtype: str) -> ReferenceResult:
+    def baseline(self, problem: SparseDecodeProblem, dtype: str, arithmetic: Arithmetic = DEFAULT) -> ReferenceResult:
+        """problems/sparse_reference.py's: no sparse backend declares an arithmetic of its own."""
+        if arithmetic != DEFAULT:
+            raise ValueError(f"the sparse baseline emulates no declared arithmetic ({arithmetic.name})")
         return sparse_baseline(problem)
 
     def dtype(self, problem: SparseDecodeProblem) -> str:
         return "bf16"  # bf16 queries; a packed cache is held to the values it dequantizes to
 
-    def cases(self, env: SparseEnvelope, budget: Budget) -> st.SearchStrategy[Case]:
+    def cases(self, env: SparseEnvelope, budget: Budget, fp8_probes: bool = False) -> st.SearchStrategy[Case]:
+        """(fp8_probes: a sparse problem's queries are bf16, its packed cache held to what it dequantizes to)"""
         return sparse_cases(env)
 
     def corner_cases(self, env: SparseEnvelope, budget: Budget) -> list[Case]:
@@ -78,7 +83,8 @@ class SparseKind(ProblemKind):
         return (spec.used_pages + spec.extra_pages) * spec.page_size, spec.batch * spec.q_len * spec.num_heads
 
     def diagnose(self, problem: SparseDecodeProblem, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,
-                 truth: ReferenceResult | None = None, rerun: Rerun | None = None) -> list[str]:
+                 truth: ReferenceResult | None = None, rerun: Rerun | None = None,
+                 arithmetic: Arithmetic = DEFAULT) -> list[str]:
         return diagnose_sparse(problem, out, lse, lse_base, truth, rerun)
 
     def describe_layout(self, layout: Any) -> str:

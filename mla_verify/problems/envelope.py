@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from .generate import ProblemSpec
 from .layouts import LayoutSpec
+from .metamorphic import RELATIONS
+from .sparse import SPARSE_TRANSFORMS
 
 LSE_BASE_2 = 2.0
 DENSE, SPARSE = "dense", "sparse"  # the problem kinds (mla_verify/kinds), as envelopes and records name them
@@ -47,6 +49,12 @@ class Envelope:
     max_batch: int = 1024
     max_seq_len: int = 1 << 17
     notes: str = ""
+    # the metamorphic relations (metamorphic.RELATIONS) whose output the backend claims bit for bit; the others
+    # are judged by the tolerance model against the same reference (a kernel whose split-KV schedule depends on
+    # the whole batch moves its bits, not its values, when the batch is reordered). A user's kernel claims none
+    # unless it declares them (user_kernel.py): even a correct PyTorch kernel's BLAS paths may depend on where
+    # a request sits in the batch
+    bit_invariant: tuple[str, ...] = RELATIONS
 
     def dims_for(self, dtype: str) -> tuple[tuple[int, int], ...]:
         """The (kv_lora_rank, qk_rope_head_dim) pairs this envelope takes with ``dtype``."""
@@ -111,6 +119,9 @@ class SparseEnvelope:
     pass_out: tuple[bool, ...] = (False,)  # whether the kernel is handed an ``out`` buffer (True), allocates (False)
     lse_base: float = 2.718281828459045
     notes: str = ""
+    # the sparse relations (sparse.SPARSE_TRANSFORMS) whose output the backend claims bit for bit, as an
+    # Envelope's; a relation that reorders a row's sum is judged within tolerance whatever is claimed
+    bit_invariant: tuple[str, ...] = tuple(SPARSE_TRANSFORMS)
 
     def why_not(self, spec: Any, layout: LayoutSpec | None = None) -> str | None:
         """A sentence saying why the SparseSpec ``spec`` (called as ``layout`` says) is outside this envelope, or

@@ -1,5 +1,5 @@
-"""Transformations of a problem that must not change a correct kernel's output -- compared bit for bit, except
-the batch order for a backend that claims invariance within tolerance only (run/harness.py).
+"""Transformations of a problem that must not change a correct kernel's output -- compared bit for bit where the
+backend claims that (``Envelope.bit_invariant``), else by the tolerance model (run/harness.py).
 
 Each returns the transformed problem and a function mapping the kernel's canonical (out, lse) back to the
 original order. A deterministic kernel gives the very same bits: none of these changes the arithmetic a
@@ -16,7 +16,8 @@ from .problem import DecodeProblem
 
 Unmap = Callable[[torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 TRANSFORMS = ("none", "pages", "pool", "table", "batch", "max_seq_len")
-BATCH_ORDER = "batch"  # the one transform a kernel's schedule may see: it can claim it within tolerance only
+RELATIONS = TRANSFORMS[1:]  # the transforms that are relations (not the plain repeat)
+BATCH_ORDER = "batch"  # the one transform a kernel's schedule may see
 DESCRIPTIONS = {
     "pages": "physical pages permuted (block table remapped)",
     "pool": "extra unused NaN pages placed before the pool",

@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,9 +56,19 @@ class ReferenceResult:
         return self.lse / LN2
 
 
+class GroupAttention(Protocol):
+    """Attention of one group of requests in another arithmetic (judge/emulation.py): given the group's
+    ``requests`` (their indices in the problem), ``q`` [b, Q*H, D] and ``kv`` [b, T, D] in the operand dtype and
+    ``hidden`` (as ``_attend`` gets them), it writes ``into`` what ``_attend`` writes there: out (bmm2 applied),
+    each row's top score (bmm1 applied), its share of the row's sum (exp(top - lse)), and where it is."""
+
+    def __call__(self, p: DecodeProblem, requests: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                 hidden: torch.Tensor, into: tuple[torch.Tensor, ...]) -> None: ...
+
+
 def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.float64,
                      chunk_bytes: int | None = None, p_dtype: torch.dtype | None = None,
-                     matmul: str = "exact") -> ReferenceResult:
+                     matmul: str = "exact", attend: GroupAttention | None = None) -> ReferenceResult:
     """Exact attention of every query token over its causal prefix of the paged cache (the part of it within
     the problem's sliding window, if it has one).
 
@@ -70,7 +81,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
 
     ``p_dtype`` (bf16 / fp8) instead emulates a careful low-precision kernel -- the probabilities
     exp(s - rowmax) rounded to ``p_dtype`` before the second product, as flash-style kernels feed their
-    tensor cores -- for the tolerance model's same-precision baseline.
+    tensor cores -- for the tolerance model's same-precision baseline. ``attend`` computes each group in a
+    kernel's declared arithmetic instead (GroupAttention), for the baseline of a kernel that declares one.
     """
     p = problem
     if matmul not in MATMUL_MODES:
@@ -121,7 +133,7 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     # what each group writes: out (in split mode its two halves' products, summed once at the end), each row's
     # top score, where it is and its share of the sum (exp(0) / sum); the sum and the lse are then made for all
     # groups at once
-    halves = split and p_dtype is None
+    halves = split and p_dtype is None and attend is None
     out = torch.empty((B, 2 * Q * H if halves else Q * H, L), dtype=precision, device=p.device)
     top = torch.empty((B, Q * H, 1), dtype=precision, device=p.device)
     top_share = torch.empty_like(top)
@@ -137,8 +149,13 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
             # (>= 1: validation keeps seq_len >= q_len; a ragged request's limit is later, as q_lens <= q_len)
             # -- unless a sliding window hides the earliest ones
             first_hidden = lens[stop - 1] - Q + 1 if p.window_left is None else 0
-            _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
-                    (out[group], top[group], top_share[group], top_at[group]))
+            into = (out[group], top[group], top_share[group], top_at[group])
+            if attend is None:
+                _attend(p, queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens], p_dtype, split,
+                        into)
+            else:
+                attend(p, longest_first[group], queries[group], kv.to(operand), hidden[group, ..., first_hidden:tokens],
+                       into)
     lse = top.sub_(top_share.log_())
     if halves:
         out = out[:, :Q * H].add_(out[:, Q * H:])
@@ -214,10 +231,7 @@ def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden: torch.T
     ``hidden`` [b, Q, 1, tail]: which of the last ``tail`` positions each query token must not see (the
     positions before them are visible to all)."""
     out, top, top_share, at = into
-    b, rows, _ = q.shape
-    T = kv.shape[1]
-    scores = _bmm(q, kv.transpose(1, 2), split, alpha=p.bmm1_scale)
-    scores.view(b, p.q_len, -1, T)[..., T - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
+    scores = mask_hidden(_bmm(q, kv.transpose(1, 2), split, alpha=p.bmm1_scale), hidden, p.q_len)
     torch.max(scores, -1, keepdim=True, out=(top, at))
     values = kv[..., :p.dims.kv_lora_rank]
     if p_dtype is None:
@@ -230,6 +244,14 @@ def _attend(p: DecodeProblem, q: torch.Tensor, kv: torch.Tensor, hidden: torch.T
         torch.reciprocal(denominator, out=top_share)
         rounded = unnormalized.to(p_dtype).to(values.dtype)
         torch.div(_bmm(rounded, values, split, alpha=p.bmm2_scale), denominator, out=out)
+
+
+def mask_hidden(scores: torch.Tensor, hidden: torch.Tensor, q_len: int) -> torch.Tensor:
+    """``scores`` [b, Q*H, T] with -inf, in place, where ``hidden`` (GroupAttention's) says a query token must not
+    see a key."""
+    b, _, T = scores.shape
+    scores.view(b, q_len, -1, T)[..., T - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
+    return scores
 
 
 def _probs_times_values(probs: torch.Tensor, values: torch.Tensor, split: bool, scale: float,

@@ -233,7 +233,7 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
     drawn_cases = itertools.count()
 
     @hypothesis_settings(prof, max_examples, database)
-    @given(_clocked(kind.cases(backend.envelope, budget), clock))
+    @given(_clocked(kind.cases(backend.envelope, budget, prof.fp8_probes), clock))
     def search(case: Case) -> None:
         # another shard's case: drawn, so that every shard draws the same sequence, and not judged; once this
         # shard has a failure every case is judged (Hypothesis is shrinking it)

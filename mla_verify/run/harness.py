@@ -8,13 +8,17 @@ reference and baseline, its metamorphic relations and its catalogue of misreadin
    hold NaN (generate.py, sparse.py), so a read outside a sequence (or an index row) poisons the result.
 3. Call the kernel -- before the reference is allocated, as FlashMLA does.
 4. Check: ``out`` filled in place and returned, inputs bit-identical, every element finite and within the
-   tolerance model (compare.py, with the kind's same-precision baseline), LSE in the backend's base; the same
-   call again gives the same bits; one of the kind's metamorphic relations gives the same bits -- or, for a
-   relation that changes the arithmetic's order (``Relation.bits`` false: a sparse row's order) and for the
-   batch order of a backend that claims only invariance within tolerance (``Backend.batch_invariance``),
-   passes the same tolerance model against the same reference (``CaseResult.invariance`` records which).
+   tolerance model (compare.py, with the kind's same-precision baseline -- in the backend's declared arithmetic,
+   ``Backend.arithmetic_for``), LSE in the backend's base; the same call again gives the same bits; one of the
+   kind's metamorphic relations gives the same bits where the relation keeps the arithmetic (``Relation.bits``)
+   and the backend claims them (``Backend.claims_bits``), else passes the same tolerance model against the same
+   reference -- for a relation that changes the arithmetic's order (a sparse row's order), and for one the
+   kernel claims no bit-level invariance for, whose moved bits are then a note (``CaseResult.invariance``
+   records which judgement was applied, ``CaseResult.notes`` the notes).
 5. On failure, ask the kind's catalogue which known misreading explains the output, or where it is wrong
-   (diagnose.py and localize.py, which may re-run the kernel to tell where a NaN comes from).
+   (diagnose.py and localize.py, which may re-run the kernel to tell where a NaN comes from); when only a
+   metamorphic relation broke, the first output is right: the diagnosis says where the relation's output
+   differs from it.
 
 Out of memory at any stage is the machine's state, not the kernel's fault: the case becomes a skip with that
 reason (memory.py). A CUDA error that leaves the device unusable (an illegal memory access, a device-side
@@ -42,11 +46,12 @@ from ..core.errors import UsageError
 from ..core.memory import device_fault, is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..judge.compare import ErrorStats, compare
-from ..judge.explains import Rerun
-from ..kinds import ProblemKind, kind_named, kind_of
+from ..judge.explains import WHERE, Rerun
+from ..kinds import ProblemKind, Relation, kind_named, kind_of
+from ..problems.arithmetic import DEFAULT
 from ..problems.envelope import DENSE
 from ..problems.layouts import LayoutSpec
-from ..problems.metamorphic import BATCH_ORDER, Unmap
+from ..problems.metamorphic import Unmap
 from ..problems.reference import ReferenceResult
 from .watchdog import KernelTimeout, time_limit
 
@@ -59,6 +64,7 @@ STAGES = ("draw", "build", "prepare", "kernel", "reference", "baseline", "compar
 # problem's data (e.g. FlashInfer's planner), or no device memory for it
 SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY = "envelope", "library", "memory"
 NOT_BIT_IDENTICAL = "not bit-identical"
+LISTED_ROWS = 4  # rows a broken relation's diagnosis names before "and N more"
 OUT_OF_MEMORY = "out of device memory (GPU shared or the case too big for it)"
 
 
@@ -83,6 +89,9 @@ class CaseResult:
     resolved_backend: str | None = None  # the kernel a policy backend (fa-auto) ran: PreparedCall's
     # how the metamorphic check judged (INVARIANT_BITS or INVARIANT_WITHIN_TOLERANCE); "" when none ran
     invariance: str = ""
+    # what passed but is worth saying: bits a metamorphic relation moved within tolerance, where the kernel
+    # claims no bit-level invariance for it
+    notes: list[str] = field(default_factory=list)
     crash: str = ""  # what ended the kernel's process or device context (a signal, a CUDA error): a failure
     context_lost: bool = False  # this process's device is unusable after the case: no further case can run
     # the first failing case of the search, when this shrunk one is another: its description, its diagnosis
@@ -108,6 +117,7 @@ class CaseResult:
                 "metamorphic": self.metamorphic, "spec": self.spec.to_json(), "layout": self.layout.to_json(),
                 **({} if kind == DENSE else {"description": self.spec.describe()}),
                 "resolved_backend": self.resolved_backend, "invariance": self.invariance,
+                **({"notes": self.notes} if self.notes else {}),
                 **({"crash": self.crash} if self.crash else {}),
                 "stats": None if self.stats is None else self.stats.to_json(),
                 "first_failing": None if self.first_failing is None else
@@ -206,21 +216,26 @@ def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, d
     result.resolved_backend = None if prepared is None else prepared.resolved_backend
     run = None if prepared is None else _call(prepared, problem, failures, limit, stage)
     ref: ReferenceResult | None = None
+    where: list[str] = []  # where the transformed call's output differs from the first (right) one
+    relation_broke = False  # the only failure is a metamorphic relation's (the first output passed)
+    arithmetic = DEFAULT
     if run is not None:
         out, lse = run
         result.out, result.lse = out, lse
         dtype = kind.dtype(problem)
         with stage("reference"):
             ref = kind.reference(problem)
+        arithmetic = backend.arithmetic_for(dtype, result.resolved_backend)
         with stage("baseline"):
-            baseline = kind.baseline(problem, dtype)
+            baseline = kind.baseline(problem, dtype, arithmetic)
         with stage("compare"):
             lse_base = backend.envelope.lse_base if layout.return_lse else None
-            result.stats, numeric = compare(out, lse, ref, baseline, dtype, lse_base)
+            result.stats, numeric = compare(out, lse, ref, baseline, dtype, lse_base, arithmetic.emulation)
         failures += numeric
         # The metamorphic call compares bits with the first call, so it also catches a kernel that differs
         # from one call to the next; the plain repeat runs when there is no transform, or when the
-        # transformed call differed, to tell the two apart.
+        # transformed call's bits differed where the relation keeps them, to tell the two apart.
+        moved_bits = False
         if not failures and transform != "none":
             with stage("metamorphic"):
                 relation = kind.relations[transform]
@@ -229,30 +244,32 @@ def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, d
                 moved_call = _prepare(backend, moved, layout, again)
                 if moved_call is None:
                     failures.append(f"with {relation.description}: {again[0]}")
-                elif not relation.bits or (transform == BATCH_ORDER
-                                           and backend.batch_invariance == INVARIANT_WITHIN_TOLERANCE):
-                    result.invariance = INVARIANT_WITHIN_TOLERANCE
-                    assert ref is not None  # judged above
-                    _check_within_tolerance(moved_call, moved, unmap, ref, baseline, dtype, lse_base, failures,
-                                            limit, relation.description + ("" if not relation.bits else
-                                                                           " (judged within tolerance, the "
-                                                                           "backend's claim)"))
+                    where = [f"{WHERE}the relation broke: the call with {relation.description} could not be "
+                             "prepared; the first output passed the tolerance model"]
                 else:
-                    result.invariance = INVARIANT_BITS
-                    _check_repeatable(moved_call, moved, out, lse, failures, limit, relation.description, unmap)
-        differed = bool(failures) and NOT_BIT_IDENTICAL in failures[-1] and not result.hung
-        if (not failures and transform == "none") or differed:
+                    bits = relation.bits and backend.claims_bits(transform)
+                    result.invariance = INVARIANT_BITS if bits else INVARIANT_WITHIN_TOLERANCE
+                    judged = Judged(ref, baseline, dtype, lse_base, arithmetic.emulation)
+                    moved_bits, where = _check_relation(moved_call, moved, unmap, out, lse, relation,
+                                                        None if bits else judged, failures, result.notes, limit)
+        relation_broke = bool(failures) and transform != "none" and not numeric
+        if (not failures and transform == "none") or (moved_bits and not result.hung):
             with stage("repeat"):  # the very same call again: the same prepared arguments
                 repeat: list[str] = []
                 assert prepared is not None  # there is an output to repeat
-                _check_repeatable(prepared, problem, out, lse, repeat, limit, "a second identical call")
+                _check_repeatable(prepared, problem, out, lse, repeat, limit)
                 failures[:0] = repeat  # nondeterminism, if seen, is the first failure: it explains the rest
+                if repeat:  # the relation's moved bits were the kernel's nondeterminism
+                    result.notes.clear()
+                    relation_broke = False
     if failures:
         result.verdict, result.reason, result.problem = "fail", failures[0], problem
-        if diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
+        if relation_broke and where:  # the first output is right: say where the relation's output differs
+            result.diagnosis = where  # from it, not what a search of the right one's keys makes of it
+        elif diagnose and not result.hung and result.out is not None and result.out.shape == problem.out_shape:
             with stage("diagnose"):
                 result.diagnosis = kind.diagnose(problem, result.out, result.lse, backend.envelope.lse_base, ref,
-                                                 kernel_rerun(backend, layout, limit))
+                                                 kernel_rerun(backend, layout, limit), arithmetic)
 
 
 @dataclass
@@ -339,15 +356,15 @@ def _invoke(prepared: PreparedCall, out_shape: tuple[int, ...], device: torch.de
 
 
 def _check_repeatable(prepared: PreparedCall, problem: Any, out: torch.Tensor, lse: torch.Tensor | None,
-                      failures: list[str], limit: _Limit, what: str, unmap: Unmap | None = None) -> None:
-    """Call ``prepared`` (the same call, or a transformed problem's: ``what`` it is) and require the very same
-    bits."""
+                      failures: list[str], limit: _Limit) -> None:
+    """Call ``prepared`` again and require the very same bits."""
     again_failures: list[str] = []
     run = _call(prepared, problem, again_failures, limit)
+    what = "a second identical call"
     if run is None or again_failures:
         failures.append(f"with {what}: " + (again_failures[0] if again_failures else "no output"))
         return
-    out2, lse2 = unmap(*run) if unmap is not None else run
+    out2, lse2 = run
     diff = changed_elements(out2, out)
     if diff:
         failures.append(f"{NOT_BIT_IDENTICAL} with {what}: {diff} of {out.numel()} output elements differ")
@@ -355,21 +372,68 @@ def _check_repeatable(prepared: PreparedCall, problem: Any, out: torch.Tensor, l
         failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
 
 
-def _check_within_tolerance(prepared: PreparedCall, problem: Any, unmap: Unmap, ref: ReferenceResult,
-                            baseline: ReferenceResult, dtype: str, lse_base: float | None, failures: list[str],
-                            limit: _Limit, what: str) -> None:
-    """Call the transformed ``prepared`` (``what`` it is) and judge its output, mapped back, by the tolerance
-    model against the original problem's reference: for a relation that changes the order of the arithmetic,
-    and the claim of a backend whose bits depend on the whole batch."""
+@dataclass
+class Judged:
+    """What the first call's output was judged by: the reference, the baseline (``emulation`` names its declared
+    arithmetic; "" the plain one), the dtype and the LSE base (None: no LSE)."""
+
+    ref: ReferenceResult
+    baseline: ReferenceResult
+    dtype: str
+    lse_base: float | None
+    emulation: str = ""
+
+
+def _check_relation(prepared: PreparedCall, problem: Any, unmap: Unmap, out: torch.Tensor, lse: torch.Tensor | None,
+                    relation: Relation, judged: Judged | None, failures: list[str], notes: list[str],
+                    limit: _Limit) -> tuple[bool, list[str]]:
+    """Call the transformed problem and hold its output, mapped back, to ``relation``: the very same bits as
+    ``out``/``lse`` (``judged`` None: the relation keeps them and the backend claims them), or the tolerance
+    model against the same reference -- where the relation keeps the arithmetic, moved bits are then a note.
+    (whether bits moved where the relation keeps them, where: lines saying where the outputs differ)."""
+    what = relation.description
     again: list[str] = []
     run = _call(prepared, problem, again, limit)
     if run is None or again:
         failures.append(f"with {what}: " + (again[0] if again else "no output"))
-        return
+        return False, []
     out2, lse2 = unmap(*run)
-    numeric = compare(out2, lse2, ref, baseline, dtype, lse_base)[1]
+    diff = changed_elements(out2, out)
+    lse_moved = lse is not None and lse2 is not None and bool(changed_elements(lse2, lse))
+    moved = relation.bits and (bool(diff) or lse_moved)
+    where = _relation_lines(what, out, out2, diff, lse_moved)
+    if judged is None:
+        if diff:
+            failures.append(f"{NOT_BIT_IDENTICAL} with {what}: {diff} of {out.numel()} output elements differ")
+        elif lse_moved:
+            failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
+        return moved, where
+    numeric = compare(out2, lse2, judged.ref, judged.baseline, judged.dtype, judged.lse_base, judged.emulation)[1]
+    claim = " (judged within tolerance: the kernel claims no bit-level invariance for it)" if relation.bits else ""
     if numeric:
-        failures.append(f"with {what}: {numeric[0]}")
+        failures.append(f"with {what}{claim}: {numeric[0]}")
+    elif moved:
+        notes.append(f"bits moved with {what}, within tolerance (no bit-level invariance claimed for it): "
+                     f"{diff} of {out.numel()} output elements differ" + (", and the LSE" if lse_moved else ""))
+    return moved, where
+
+
+def _relation_lines(what: str, out: torch.Tensor, out2: torch.Tensor, diff: int, lse_moved: bool) -> list[str]:
+    """Where the relation's output differs from the first call's (the first one passed: it is the reference
+    point), in the diagnosis's "where: " form."""
+    if not diff:
+        return [f"{WHERE}with {what} every output element is the same" + (", the LSE is not" if lse_moved else "")]
+    a, b = out.to(torch.float64), out2.to(torch.float64)
+    gap = torch.where(a == b, 0.0, (a - b).abs().nan_to_num(float("inf")))
+    at = tuple(int(i) for i in (gap == gap.max()).nonzero()[0])
+    rows = (gap.amax(-1) > 0).nonzero()
+    named = ", ".join("({}, {}, {})".format(*(int(i) for i in r)) for r in rows[:LISTED_ROWS])
+    more = f" and {rows.shape[0] - LISTED_ROWS} more" if rows.shape[0] > LISTED_ROWS else ""
+    return [f"{WHERE}the relation broke: with {what}, {diff} of {out.numel()} output elements differ, in "
+            f"{rows.shape[0]} (batch entry, token, head) row(s) {named}{more}; the largest at batch {at[0]}, "
+            f"token {at[1]}, head {at[2]}, dim {at[3]}: {float(a[at]):.6g} as first called, {float(b[at]):.6g} "
+            f"with {what} -- the first output passed the tolerance model: the relation, not a key or position, "
+            "is what failed"]
 
 
 def kernel_rerun(backend: Backend, layout: LayoutSpec, limit: _Limit | None = None) -> Rerun:

@@ -29,10 +29,12 @@ from typing import Any
 import torch
 
 from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
+from ..backends.flashmla import FLASHMLA_FP8_ARITHMETIC
 from ..backends.flashmla_sparse import WHEEL_FORMAT_BY_BYTES
 from ..backends.trtllm_style import split_lse
 from ..core.bits import same_bits
 from ..core.errors import ProblemError
+from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.packed import FORMATS
 from ..problems.problem import FP8
 from ..problems.sparse import UNPACKED, SparseDecodeProblem
@@ -70,6 +72,7 @@ class LiveCall:
     findings: list[Finding] = field(default_factory=list)
     table_width: str | None = None  # LayoutSpec.table_width override (CSR metadata is never padded)
     sparse: SparseDecodeProblem | None = None
+    arithmetic: Arithmetic = DEFAULT  # what the kernel rounds: the baseline emulates it (problems/arithmetic.py)
 
 
 def bind_arguments(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> dict[str, Any] | None:
@@ -322,7 +325,8 @@ def read_flashmla(values: Mapping[str, Any], schedules: FlashMLASchedules | None
         return o, None if lse is None else lse.transpose(1, 2), parts
 
     return LiveCall(args, contract, pass_out=False, return_lse=True, to_canonical=to_canonical,
-                    replay="flashmla-fp8" if fp8 else "flashmla", unchecked=unchecked, findings=found)
+                    replay="flashmla-fp8" if fp8 else "flashmla", unchecked=unchecked, findings=found,
+                    arithmetic=FLASHMLA_FP8_ARITHMETIC if fp8 else DEFAULT)
 
 
 V32_WIDTH = 576  # a query this wide is DeepSeek V3.2's (latent 512 + rope 64): its softmax scale is checked
