@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from mla_verify.backends.flashmla import FLASHMLA_FP8_ARITHMETIC, flashmla_fp8_splits
+from mla_verify.backends.flashmla import FLASHMLA_FP8_ARITHMETIC, flashmla_fp8_splits, splits_from_metadata
 from mla_verify.core.dims import MLADims
 from mla_verify.judge.compare import baseline_result
 from mla_verify.judge.emulation import accumulate, emulated
@@ -53,18 +53,6 @@ def problem_of(d: dict[str, torch.Tensor]) -> DecodeProblem:
     bmm1 = float(d["softmax_scale"]) * float(d["descale_q"]) * float(d["descale_k"])
     return DecodeProblem(q, k, d["block_table"], d["cache_seqlens"], MLADims(L, ROPE, 128, 128, q.shape[2]), bmm1,
                          float(d["descale_k"]))
-
-
-def recorded_splits(d: dict[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
-    """(start, end) keys of each request's splits, from the tile scheduler metadata the kernel ran with: each SM
-    partition's (begin_idx, begin_seqlen, end_idx, end_seqlen)."""
-    lens = d["cache_seqlens"].tolist()
-    splits: list[list[tuple[int, int]]] = [[] for _ in lens]
-    for begin, begin_len, end, end_len, *_ in d["tile_scheduler_metadata"].tolist():
-        if 0 <= begin < len(lens):
-            for b in range(begin, end + 1):
-                splits[b].append((begin_len if b == begin else 0, end_len if b == end else lens[b]))
-    return splits
 
 
 def normalized_p(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +115,7 @@ def onekey_bits(p: DecodeProblem, kernel_lse: torch.Tensor, models: dict[str, Ac
 def analyse(path: Path, grid: bool) -> dict[str, Any]:
     d = load_file(str(path))
     p = problem_of(d)
-    splits = recorded_splits(d)
+    splits = splits_from_metadata(d["tile_scheduler_metadata"].tolist(), p.seq_lens.tolist())
     rows = p.q_len * p.num_heads
     kernel_out, kernel_lse = d["out"], d["lse"].transpose(1, 2)  # lse [B, H, 1] -> [B, 1, H]
     exact = reference_decode(p)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
 from mla_verify.core.errors import UsageError
+from mla_verify.draw.profiles import get_profile
 from mla_verify.draw.strategies import Budget, budget_for, cases, corner_cases
 from mla_verify.kernels.mutants import MUTANTS, correct_kernel
 from mla_verify.run import engine
@@ -117,6 +118,25 @@ def test_large_batches_are_drawn_and_reach_the_test_body():
 
     draw()
     assert max(batches) > 256
+
+
+def test_the_fuzz_profile_draws_fp8_precision_probes_often():
+    """Half the fp8 cases of a fuzz run (strategies.FP8_PROBES) have near-identical keys, one key, or both: the
+    problems that found FlashMLA fp8's arithmetic (#38); premerge draws none (its cases do not change)."""
+    assert get_profile("fuzz").fp8_probes and not get_profile("premerge").fp8_probes
+    drawn = []
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(cases(NARROW, SMALL, probes=True))
+    def draw(case):
+        drawn.append(case.spec)
+
+    draw()
+    constant = sum(s.values == "constant" for s in drawn) / len(drawn)
+    one_key = sum(s.seq_lens == (s.q_len,) * s.batch for s in drawn) / len(drawn)
+    # on average 46% constant (a third probes, and a quarter of the rest) and a third one key; without probes
+    # 25% and a few
+    assert constant > 0.35 and one_key > 0.2, (constant, one_key)
 
 
 def test_a_time_bounded_search_restarted_draws_new_cases():

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from precision_kernels import position_rounded, position_rounded_claiming_bits
 
 from mla_verify.backends import get_backend
 from mla_verify.backends.base import INVARIANT_BITS, INVARIANT_WITHIN_TOLERANCE
@@ -24,7 +25,9 @@ from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.metamorphic import RELATIONS
 from mla_verify.problems.sparse import SPARSE_LAYOUT, SPARSE_TRANSFORMS, SparseSpec
+from mla_verify.records.failure import failure_lines
 from mla_verify.records.report import invariance_counts, invariance_line
+from mla_verify.run.engine import verify
 from mla_verify.run.harness import run_case
 
 # first and last lengths differ, so exactly one of the two batch orders has the longer sequence first
@@ -178,3 +181,30 @@ def test_the_report_says_which_judgement_was_applied() -> None:
     assert invariance_line("fa3-sparse", {"tolerance": 1, "bits": 3}, "sparse") == (
         "fa3-sparse: metamorphic relations judged within tolerance (a row's reordered entries, or no bit-level claim) "
         "on 1 case, bit for bit on 3")
+
+
+# --- acceptance (#38): a correct kernel that is not bit-invariant, with and without a claim ----------------------
+
+def test_a_correct_kernel_without_bit_invariance_passes_premerge_and_a_fuzz() -> None:
+    """precision_kernels.position_rounded rounds the requests at odd positions differently: reversing the batch
+    moves bits, never values. Premerge and a seeded fuzz pass it; the moved bits are notes. (A 2-minute fuzz of it:
+    docs/verified.md.)"""
+    backend = kernel_backend(position_rounded, "precision_kernels:position_rounded")
+    premerge = verify(backend, "cpu", "premerge")
+    assert premerge.verdict == "pass", premerge.failure and premerge.failure.failures
+    assert any(c.notes and c.metamorphic == "batch" for c in premerge.cases)
+    fuzz = verify(backend, "cpu", "fuzz", seed=7, minutes=0.1)  # six seconds of it: the 2-minute run is recorded
+    assert fuzz.verdict == "pass", fuzz.failure and fuzz.failure.failures
+    assert all(c.invariance in ("", INVARIANT_WITHIN_TOLERANCE) for c in fuzz.cases)
+
+
+def test_a_kernel_claiming_bit_invariance_it_lacks_fails_shrunk_with_the_relation_named() -> None:
+    backend = kernel_backend(position_rounded_claiming_bits, "precision_kernels:position_rounded_claiming_bits")
+    result = verify(backend, "cpu", "premerge")
+    failure = result.failure
+    assert result.verdict == "fail" and failure is not None
+    assert failure.reason.startswith("not bit-identical with batch order reversed: ")
+    # shrunk to the smallest batch a reversal can move: two requests, one head, one query token
+    assert (failure.spec.batch, failure.spec.num_heads, failure.spec.q_len) == (2, 1, 1), failure.describe()
+    block = "\n".join(failure_lines(failure, None))
+    assert "the relation broke: with batch order reversed" in block and "KV positions" not in block, block

@@ -19,6 +19,14 @@ Contract 1, and how they are bridged (docs/backends.md has the source references
   padded canonical form with NaN in the padding rows (``layouts.padded_rows``), which nothing judges.
 - ``auto`` picks its kernel in plan(); the wrapper records the one it planned (``_planned_backend_name``),
   which each call reports as ``PreparedCall.resolved_backend``.
+- fp8 arithmetic (``FA_FP8_ARITHMETIC``, read from FlashInfer 0.7.4's ``include/flashinfer/attention``): the fp8
+  cache is dequantized to bf16 (``repack_fp8_kv_to_bf16``), so both products are bf16 MMAs with fp32
+  accumulators, and the scale multiplies the fp32 scores (``s * sm_scale_log2 - m_scaled``); P is rounded to
+  bf16 (DTypeQ) before the second product. fa2 (``mla.cuh``): 32-key tiles for an fp8 cache
+  (``EFF_CTA_TILE_KV``), visited last first (``--kv_tile_idx``), and the row sum of the *rounded* P
+  (``m16k16_rowsum_f16f16f32`` over ``p_f16``); fa3 (``mla_hopper.cuh``): 64-key tiles, last first, the row sum
+  of the fp32 P (``d_local`` in ``update_md_``). Their split-KV schedules (the planner's) are not emulated: each
+  request is one split.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from typing import Any, Literal
 import torch
 
 from ..core.platform import flashinfer_unavailable
+from ..problems.arithmetic import DEFAULT, REVERSE, SCALE_ON_SCORES, SUM_FP32, SUM_ROUNDED, Arithmetic
 from ..problems.generate import DTYPES, ProblemSpec
 from ..problems.layouts import LayoutSpec, csr_metadata, padded_rows, wrapper_args
 from ..problems.problem import FP8, DecodeProblem
@@ -41,6 +50,13 @@ FA_HOPPER = ((9, 0),)
 # CUTLASS, XQA and cuTile need SM100 or newer), so auto runs one of the two FA kernels
 FA_ONLY_AUTO = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
 AUTO_FA_CANDIDATES = ("fa3", "fa2")
+_FA_FP8_SOURCE = "FlashInfer 0.7.4 include/flashinfer/attention/{} (module docstring)"
+FA_FP8_ARITHMETIC = {
+    "fa2": Arithmetic("FlashInfer fa2 with an fp8 cache", scale=SCALE_ON_SCORES, p_dtype="bf16", p_block=32,
+                      order=REVERSE, row_sum=SUM_ROUNDED, source=_FA_FP8_SOURCE.format("mla.cuh")),
+    "fa3": Arithmetic("FlashInfer fa3 with an fp8 cache", scale=SCALE_ON_SCORES, p_dtype="bf16", p_block=64,
+                      order=REVERSE, row_sum=SUM_FP32, source=_FA_FP8_SOURCE.format("mla_hopper.cuh")),
+}
 WORKSPACE_BYTES = 128 << 20
 
 Preflight = Callable[[str, ProblemSpec, torch.device], None]
@@ -120,6 +136,11 @@ class FlashInferWrapperBackend(Backend):
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return super().unavailable_reason(device) or flashinfer_unavailable()
+
+    def arithmetic_for(self, dtype: str, resolved_backend: str | None = None) -> Arithmetic:
+        """fa2's and fa3's with an fp8 cache (``auto``: the one it resolved to); the plain baseline otherwise."""
+        kernel = resolved_backend or self.path.fi_backend
+        return FA_FP8_ARITHMETIC.get(kernel, DEFAULT) if dtype == "fp8" else DEFAULT
 
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
         reason = super().why_not(spec, layout, device)

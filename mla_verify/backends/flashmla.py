@@ -99,6 +99,18 @@ def flashmla_fp8_splits(seq_lens: Sequence[int], rows: int, sm_count: int) -> li
     return splits
 
 
+def splits_from_metadata(metadata: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """(start, end) keys of each request's splits, read from the tile scheduler metadata a schedule returned: each SM
+    partition's (begin_idx, begin_seqlen, end_idx, end_seqlen, ...); a partition with no work starts past the
+    batch."""
+    splits: list[list[tuple[int, int]]] = [[] for _ in seq_lens]
+    for begin, begin_len, end, end_len, *_ in metadata:
+        if 0 <= begin < len(seq_lens):
+            for b in range(begin, end + 1):
+                splits[b].append((begin_len if b == begin else 0, end_len if b == end else seq_lens[b]))
+    return splits
+
+
 # What the dense fp8 kernel rounds (the module docstring has the source). The accumulator model is Hopper's fp8
 # WGMMA as benchmarks/flashmla_fp8_analysis.py measured it against the wheel on an H100.
 FLASHMLA_FP8_ARITHMETIC = Arithmetic(
