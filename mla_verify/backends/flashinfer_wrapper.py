@@ -50,12 +50,11 @@ FA_HOPPER = ((9, 0),)
 # CUTLASS, XQA and cuTile need SM100 or newer), so auto runs one of the two FA kernels
 FA_ONLY_AUTO = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
 AUTO_FA_CANDIDATES = ("fa3", "fa2")
-_FA_FP8_SOURCE = "FlashInfer 0.7.4 include/flashinfer/attention/{} (module docstring)"
 FA_FP8_ARITHMETIC = {
     "fa2": Arithmetic("FlashInfer fa2 with an fp8 cache", scale=SCALE_ON_SCORES, p_dtype="bf16", p_block=32,
-                      order=REVERSE, row_sum=SUM_ROUNDED, source=_FA_FP8_SOURCE.format("mla.cuh")),
+                      order=REVERSE, row_sum=SUM_ROUNDED),  # mla.cuh
     "fa3": Arithmetic("FlashInfer fa3 with an fp8 cache", scale=SCALE_ON_SCORES, p_dtype="bf16", p_block=64,
-                      order=REVERSE, row_sum=SUM_FP32, source=_FA_FP8_SOURCE.format("mla_hopper.cuh")),
+                      order=REVERSE, row_sum=SUM_FP32),  # mla_hopper.cuh
 }
 WORKSPACE_BYTES = 128 << 20
 

@@ -115,9 +115,7 @@ def splits_from_metadata(metadata: Sequence[Sequence[int]], seq_lens: Sequence[i
 # WGMMA as benchmarks/flashmla_fp8_analysis.py measured it against the wheel on an H100.
 FLASHMLA_FP8_ARITHMETIC = Arithmetic(
     "FlashMLA dense fp8", scale=SCALE_ON_SCORES, qk=Accumulator(), p_dtype="e4m3", p_block=BLOCK_N,
-    pv=Accumulator(), splits=flashmla_fp8_splits,
-    source="sgl-project/FlashMLA csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h, softmax.h, "
-           "flash_fwd_mla_metadata.cu")
+    pv=Accumulator(), splits=flashmla_fp8_splits)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..problems.problem import FP8, DecodeProblem
 from ..problems.reference import ReferenceResult, fast_matmul_mode, mask_hidden, reference_decode
 
 LOG2E = 1.0 / math.log(2.0)
-P_DTYPES = {"bf16": torch.bfloat16, "e4m3": FP8, "fp16": torch.float16, "fp32": torch.float32}
+P_DTYPES = {"bf16": torch.bfloat16, "e4m3": FP8}  # Arithmetic.p_dtype
 # elements of the products one accumulator step materializes at a time ([rows, k_step, cols]): 2^24 fp32 is
 # 64 MiB, so the model costs a few such passes, not a copy of the scores per product
 PRODUCTS_PER_CHUNK = 1 << 24

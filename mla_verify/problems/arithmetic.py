@@ -35,9 +35,6 @@ class Accumulator:
     k_step: int = 32
     bits: int = 13
 
-    def describe(self) -> str:
-        return f"fp8 tensor-core sums ({self.k_step} products a step, truncated {self.bits} bits below the largest)"
-
 
 @dataclass(frozen=True)
 class Arithmetic:
@@ -54,7 +51,6 @@ class Arithmetic:
     row_sum: str = SUM_FP32
     pv: Accumulator | None = None  # None: the second product summed in fp32
     splits: SplitSchedule | None = None  # None: one split per request
-    source: str = ""  # where the declaration was read (a file and lines of the kernel's source)
 
     @property
     def emulation(self) -> str:
@@ -65,19 +61,6 @@ class Arithmetic:
     def sequential(self) -> bool:
         """Whether the emulation must walk the key blocks in order (an accumulator model or splits)."""
         return self.pv is not None or self.splits is not None
-
-    def describe(self) -> str:
-        """One line: the roundings, in the order the kernel makes them."""
-        if self == DEFAULT:
-            return DEFAULT.name
-        parts = ["bmm1 on the fp32 scores" if self.scale == SCALE_ON_SCORES else "q * bmm1 rounded to bf16",
-                 self.qk.describe() if self.qk else "fp32 scores",
-                 f"P in {self.p_dtype or 'the operand dtype'}"
-                 + (f" per {self.p_block}-key block ({self.order}, running max)" if self.p_block else "")
-                 + (", the row sum of the rounded P" if self.row_sum == SUM_ROUNDED else ", fp32 row sum"),
-                 f"P.V {self.pv.describe()}" if self.pv else "P.V in fp32",
-                 "the kernel's split-KV schedule" if self.splits else "one split per request", "bf16 out"]
-        return f"{self.name}: " + "; ".join(parts)
 
 
 DEFAULT = Arithmetic("the plain same-precision baseline (q * bmm1 in bf16, fp32 scores, P in the operand dtype "
