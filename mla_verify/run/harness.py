@@ -65,6 +65,7 @@ STAGES = ("draw", "build", "prepare", "kernel", "reference", "baseline", "compar
 SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY = "envelope", "library", "memory"
 NOT_BIT_IDENTICAL = "not bit-identical"
 LISTED_ROWS = 4  # rows a broken relation's diagnosis names before "and N more"
+FIRST_PASSED = "the first output passed the tolerance model: the relation, not a key or position, is what failed"
 OUT_OF_MEMORY = "out of device memory (GPU shared or the case too big for it)"
 
 
@@ -245,7 +246,7 @@ def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, d
                 if moved_call is None:
                     failures.append(f"with {relation.description}: {again[0]}")
                     where = [f"{WHERE}the relation broke: the call with {relation.description} could not be "
-                             "prepared; the first output passed the tolerance model"]
+                             f"prepared; {FIRST_PASSED}"]
                 else:
                     bits = relation.bits and backend.claims_bits(transform)
                     result.invariance = INVARIANT_BITS if bits else INVARIANT_WITHIN_TOLERANCE
@@ -390,39 +391,41 @@ def _check_relation(prepared: PreparedCall, problem: Any, unmap: Unmap, out: tor
     """Call the transformed problem and hold its output, mapped back, to ``relation``: the very same bits as
     ``out``/``lse`` (``judged`` None: the relation keeps them and the backend claims them), or the tolerance
     model against the same reference -- where the relation keeps the arithmetic, moved bits are then a note.
-    (whether bits moved where the relation keeps them, where: lines saying where the outputs differ)."""
+    Returns whether bits moved where the relation keeps them, and when the relation broke, diagnosis lines
+    saying where the outputs differ."""
     what = relation.description
     again: list[str] = []
     run = _call(prepared, problem, again, limit)
     if run is None or again:
         failures.append(f"with {what}: " + (again[0] if again else "no output"))
-        return False, []
+        return False, [f"{WHERE}the relation broke: the call with {what} gave no output to compare; {FIRST_PASSED}"]
     out2, lse2 = unmap(*run)
     diff = changed_elements(out2, out)
     lse_moved = lse is not None and lse2 is not None and bool(changed_elements(lse2, lse))
     moved = relation.bits and (bool(diff) or lse_moved)
-    where = _relation_lines(what, out, out2, diff, lse_moved)
     if judged is None:
         if diff:
             failures.append(f"{NOT_BIT_IDENTICAL} with {what}: {diff} of {out.numel()} output elements differ")
         elif lse_moved:
             failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
-        return moved, where
-    numeric = compare(out2, lse2, judged.ref, judged.baseline, judged.dtype, judged.lse_base, judged.emulation)[1]
-    claim = " (judged within tolerance: the kernel claims no bit-level invariance for it)" if relation.bits else ""
-    if numeric:
-        failures.append(f"with {what}{claim}: {numeric[0]}")
-    elif moved:
-        notes.append(f"bits moved with {what}, within tolerance (no bit-level invariance claimed for it): "
-                     f"{diff} of {out.numel()} output elements differ" + (", and the LSE" if lse_moved else ""))
-    return moved, where
+    else:
+        numeric = compare(out2, lse2, judged.ref, judged.baseline, judged.dtype, judged.lse_base, judged.emulation)[1]
+        claim = " (judged within tolerance: the kernel claims no bit-level invariance for it)" if relation.bits else ""
+        if numeric:
+            failures.append(f"with {what}{claim}: {numeric[0]}")
+        elif moved:
+            notes.append(f"bits moved with {what}, within tolerance (no bit-level invariance claimed for it): "
+                         f"{diff} of {out.numel()} output elements differ" + (", and the LSE" if lse_moved else ""))
+    broke = bool(failures)  # (called only while the first output had passed)
+    return moved, _relation_lines(what, out, out2, diff) if broke else []
 
 
-def _relation_lines(what: str, out: torch.Tensor, out2: torch.Tensor, diff: int, lse_moved: bool) -> list[str]:
+def _relation_lines(what: str, out: torch.Tensor, out2: torch.Tensor, diff: int) -> list[str]:
     """Where the relation's output differs from the first call's (the first one passed: it is the reference
     point), in the diagnosis's "where: " form."""
     if not diff:
-        return [f"{WHERE}with {what} every output element is the same" + (", the LSE is not" if lse_moved else "")]
+        return [f"{WHERE}the relation broke: with {what} every output element is the same, the LSE is not; "
+                f"{FIRST_PASSED}"]
     a, b = out.to(torch.float64), out2.to(torch.float64)
     gap = torch.where(a == b, 0.0, (a - b).abs().nan_to_num(float("inf")))
     at = tuple(int(i) for i in (gap == gap.max()).nonzero()[0])
@@ -432,8 +435,7 @@ def _relation_lines(what: str, out: torch.Tensor, out2: torch.Tensor, diff: int,
     return [f"{WHERE}the relation broke: with {what}, {diff} of {out.numel()} output elements differ, in "
             f"{rows.shape[0]} (batch entry, token, head) row(s) {named}{more}; the largest at batch {at[0]}, "
             f"token {at[1]}, head {at[2]}, dim {at[3]}: {float(a[at]):.6g} as first called, {float(b[at]):.6g} "
-            f"with {what} -- the first output passed the tolerance model: the relation, not a key or position, "
-            "is what failed"]
+            f"with {what}; {FIRST_PASSED}"]
 
 
 def kernel_rerun(backend: Backend, layout: LayoutSpec, limit: _Limit | None = None) -> Rerun:
