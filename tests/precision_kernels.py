@@ -115,7 +115,7 @@ def position_rounded(query: torch.Tensor, kv_cache: torch.Tensor, *args: Any, bm
     out = kwargs.pop("out", None)
     result = correct_kernel(query, kv_cache, *args, bmm2_scale=bmm2_scale, out=out, **kwargs)
     other = correct_kernel(query, kv_cache, *args, bmm2_scale=bmm2_scale * (1 + 2.0 ** -12), **kwargs)
-    for r, o in zip(result if isinstance(result, tuple) else (result,), other if isinstance(other, tuple) else (other,)):
+    for r, o in zip(result, other) if isinstance(result, tuple) else [(result, other)]:  # out (and the LSE)
         r.view(query.shape[0], -1)[1::2] = o.view(query.shape[0], -1)[1::2]
     return result
 

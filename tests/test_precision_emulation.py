@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from precision_kernels import declared_kernel
 
 from mla_verify.backends import get_backend
 from mla_verify.backends.flashinfer_wrapper import FA_FP8_ARITHMETIC
@@ -29,7 +30,6 @@ from mla_verify.problems.arithmetic import DEFAULT, REVERSE, SCALE_ON_SCORES, SU
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.run.harness import run_case
-from precision_kernels import declared_kernel
 
 ENVELOPE = TRTLLM_ENVELOPE.narrowed(devices=("cpu",), page_sizes=(64,), dims=((512, 64),), dtypes=("fp8",),
                                     cache_dims=(3,), q_len=(1, 1), heads=None, max_heads=16)
