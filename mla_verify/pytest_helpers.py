@@ -58,15 +58,17 @@ class Shard:
 
 def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile: str = "premerge",
                    seed: int | None = None, shard: Shard = Shard(), hypothesis_db: str | None = None,
-                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR, isolate: bool | None = None) -> EngineResult:
+                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR, isolate: bool | None = None,
+                   otherwise: str = IN_PROCESS) -> EngineResult:
     """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
     when a case fails (its reproducer written to ``fixtures_dir``). ``isolate`` as ``check --isolate``
     (run/supervise.py's how_to_run): None, the search supervised, in a copy of this process, going on isolated
-    if a kernel crashes it (each case isolated where this process cannot be copied); True, each case in a
-    worker process; both fail the crashing case. False: in this process, the case in flight is recorded before
-    its kernel runs (failure.record_in_flight), which a crash of this process (an xdist worker's) leaves behind."""
+    if a kernel crashes it -- where this process cannot be copied (a GPU), ``otherwise``; True, each case in a
+    worker process; both fail the crashing case. False (IN_PROCESS): in this process, the case in flight is
+    recorded before its kernel runs (failure.record_in_flight), which a crash of this process (an xdist
+    worker's) leaves behind."""
     fixtures_dir = Path(fixtures_dir)
-    how = how_to_run(isolate, device)
+    how = how_to_run(isolate, device, otherwise)
 
     def starting(case: Any) -> None:
         record_in_flight(fixtures_dir, backend.name, case.spec, case.layout, case.transform, torch.device(device),

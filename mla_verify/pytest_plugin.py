@@ -26,7 +26,7 @@ from .core.errors import UsageError, did_you_mean
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import PROFILES
 from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
-from .run.supervise import ISOLATED, how_to_run
+from .run.supervise import IN_PROCESS, ISOLATED, how_to_run
 from .run.warmup import WarmupResult, warm_up
 from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request, worker_threads
 
@@ -54,12 +54,20 @@ class MLAOptions:
     hypothesis_db: str | None  # directory or redis:// URL, resolved by hypothesis_db.resolve_database
     shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
     fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
-    isolate: bool | None = None  # None: supervised (run/supervise.py's how_to_run)
+    isolate: bool | None = None  # None: supervised where the process can fork, else as the test's kind says
 
     def verify_options(self, device: torch.device, shard: Shard) -> dict[str, Any]:
         """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run."""
         return dict(device=device, profile=self.profile, seed=self.seed, shard=shard,
-                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir, isolate=self.isolate)
+                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir, isolate=self.isolate,
+                    otherwise=self.otherwise)
+
+    @property
+    def otherwise(self) -> str:
+        """How cases are judged, unsaid, where the process cannot fork a supervised search (a GPU): each in a
+        worker for ``--mla-kernel``'s tests, in-process for the others (the fixture's kernel may be a closure,
+        which a worker cannot import)."""
+        return ISOLATED if self.kernel is not None else IN_PROCESS
 
 
 # name, metavar, help; "backend" is the one repeatable option (an ini linelist, a comma list in the env)
@@ -76,8 +84,9 @@ _OPTION_HELP = (
                     "(default: the number of xdist workers, 1 without xdist)"),
     ("fixtures_dir", "DIR", f"where failing tests write reproducers (default {DEFAULT_FIXTURES_DIR})"),
     ("isolate", "on|off", "on: judge each case in a worker process; off: in the test's process, which a kernel's "
-                          "crash ends (default: the search in a copy of the test's process, going on with every "
-                          "case isolated if a kernel crashes it)"),
+                          "crash ends (default: on the CPU the search in a copy of the test's process, going on "
+                          "with every case isolated if a kernel crashes it; on a GPU on for --mla-kernel, off for "
+                          "the mla_verify_kernel fixture)"),
 )
 
 
@@ -281,7 +290,7 @@ def _warm_up(config: pytest.Config, device: torch.device) -> WarmupResult:
     else:
         backends = [b for name, b in all_backends().items() if not options.backends or name in options.backends]
     return warm_up([b for b in backends if b.unavailable_reason(device) is None], device, sys.__stderr__,
-                   load=how_to_run(options.isolate, device) != ISOLATED)
+                   load=how_to_run(options.isolate, device, options.otherwise) != ISOLATED)
 
 
 # --- controller side under xdist (optional hooks: xdist may not be installed) ---

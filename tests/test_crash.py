@@ -98,6 +98,19 @@ def test_a_crash_without_an_isolation_flag_is_shrunk_to_the_smallest_crashing_ca
     assert f"crashed again (same signal/error): {crash}" in out
 
 
+def test_an_unseeded_search_gets_the_crash_back_through_its_example_database(capsys, tmp_path):
+    # fuzzing with an example database is not seeded: the search cannot retrace the copy that died, so the
+    # crash's choice sequence goes into the database, and the isolated search replays it first and shrinks it,
+    # as far as --isolate's shrinking goes (supervise.py); simplify.py alone stops short of it
+    code, out = check(capsys, "segfaults_on_big_batches", tmp_path, "--profile", "fuzz", "--minutes", "0.5",
+                      "--hypothesis-db", str(tmp_path / "db"))
+    assert code == 1, out
+    assert "the kernel crashed: killed by SIGSEGV" in out
+    fx = load_fixture(reproducer(out))
+    assert fx.spec is not None
+    assert (list(fx.spec.seq_lens), fx.spec.num_heads, fx.spec.q_len) == ([1] * CRASH_BATCH, 1, 1)
+
+
 def test_a_kernel_stuck_in_native_code_is_a_crash_of_its_case_and_the_search_goes_on(capsys, tmp_path,
                                                                                        monkeypatch):
     # with no flag, the watchdog ends the search's copy of this process, and the search goes on isolated; each

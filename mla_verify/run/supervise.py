@@ -69,13 +69,13 @@ _JOURNAL, _FAILURE = "journal.jsonl", "failure.safetensors"
 _RAISED_AS = {error.__name__: error for error in (UsageError, ProblemError, FixtureError)}
 
 
-def how_to_run(isolate: bool | None, device: torch.device | str) -> str:
+def how_to_run(isolate: bool | None, device: torch.device | str, otherwise: str = ISOLATED) -> str:
     """``isolate`` True (``--isolate``): ISOLATED; False (``--no-isolate``): IN_PROCESS, where a crash ends the
     run; None (the default): SUPERVISED where this process can fork a copy of itself (isolate.forkable: Linux,
-    the CPU, one torch thread), else ISOLATED."""
+    the CPU, one torch thread), else ``otherwise`` (check's: ISOLATED)."""
     if isolate is not None:
         return ISOLATED if isolate else IN_PROCESS
-    return SUPERVISED if forkable(torch.device(device)) else ISOLATED
+    return SUPERVISED if forkable(torch.device(device)) else otherwise
 
 
 def search(backend: Backend, device: torch.device | str, profile: str | Profile, how: str,
