@@ -118,7 +118,7 @@ def supervised(backend: Backend, device: torch.device | str, profile: str | Prof
         if interrupted or journal.error is not None:  # Ctrl-C: the cases judged until then
             return EngineResult(backend.name, prof.name, options.get("seed") or DEFAULT_SEED, backend.kind,
                                 cases=journal.cases, interrupted=True, seconds=elapsed)
-        ended = ended_by(copy.exitcode, options.get("kernel_seconds", DEFAULT_KERNEL_SECONDS), "its process")
+        ended = ended_by(copy.exitcode, options.get("kernel_seconds", DEFAULT_KERNEL_SECONDS), "it")
         died = "left its device unusable" if lost else f"died ({ended})"
     return _taken_over(backend, device, prof, options, journal, died, elapsed, on_start, on_case)
 
