@@ -155,12 +155,12 @@ def _taken_over(backend: Backend, device: torch.device, prof: Profile, options: 
     print(f"mla-verify: {backend.name}: the process running the search {died}" +
           (f" on {case.spec.describe()}" if case is not None else "") +
           "; the search goes on with every case isolated (docs/judging.md, \"A crash\")", file=sys.stderr, flush=True)
-    isolated = Isolated(backend, device, options.get("kernel_seconds", DEFAULT_KERNEL_SECONDS), fork=True)
-    judge = _Retrace(isolated, {_key(r.spec, r.layout, r.metamorphic): r for r in journal.cases
-                                if r.verdict != "fail"})  # a failure is judged again: its output is not kept
+    judge = _Retrace(backend, device, options.get("kernel_seconds", DEFAULT_KERNEL_SECONDS),
+                     {_key(r.spec, r.layout, r.metamorphic): r for r in journal.cases
+                      if r.verdict != "fail"})  # a failure is judged again: its output is not kept
     confirmed = None
-    if case is not None:
-        confirmed = isolated(case.spec, case.layout, case.transform, False)
+    if case is not None:  # not known: it never ended, or ended as a failure
+        confirmed = judge(case.spec, case.layout, case.transform, False)
         if confirmed.crash:  # a crash has no diagnosis to make: the same verdict whoever asks
             judge.known[_key(case.spec, case.layout, case.transform)] = confirmed
     minutes = options.pop("minutes", None) or prof.minutes
@@ -182,31 +182,20 @@ def _seeded(prof: Profile, options: dict[str, Any]) -> bool:
     return prof.deterministic or options.get("database") is None
 
 
-class _Retrace:
-    """An isolated judge (engine.CaseJudge) that knows verdicts reached before: a case it knows is not judged
-    again, and the same verdict comes back (a copy: the engine writes on a result)."""
+class _Retrace(Isolated):
+    """An isolated judge, in copies of this process, that knows verdicts reached before (``known``, by _key): a
+    case it knows is not judged again, and the same verdict comes back (a copy: the engine writes on a result)."""
 
-    def __init__(self, isolated: Isolated, known: dict[str, CaseResult]) -> None:
-        self.isolated, self.known = isolated, known
+    def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
+                 known: dict[str, CaseResult]) -> None:
+        super().__init__(backend, device, kernel_seconds, fork=True)
+        self.known = known
 
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         r = self.known.get(_key(spec, layout, transform))
         if r is None:
-            return self.isolated(spec, layout, transform, diagnose)
+            return super().__call__(spec, layout, transform, diagnose)
         return dataclasses.replace(r, failures=list(r.failures), diagnosis=list(r.diagnosis), stages=dict(r.stages))
-
-    def launch(self) -> None:
-        self.isolated.launch()
-
-    def start(self) -> None:
-        self.isolated.start()
-
-    @property
-    def warmup(self) -> WarmupResult | None:
-        return self.isolated.warmup
-
-    def close(self) -> None:
-        self.isolated.close()
 
 
 def _key(spec: Any, layout: LayoutSpec, transform: str) -> str:
