@@ -22,6 +22,7 @@ Either way ``--minutes`` counts the copy's time too.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import multiprocessing
@@ -66,6 +67,7 @@ from .warmup import WarmupResult
 IN_PROCESS, SUPERVISED, ISOLATED = "in-process", "supervised", "isolated"
 POLL_S = 0.1  # how often the progress callbacks hear of the copy's cases (a terminal's line is redrawn as often)
 _JOURNAL, _FAILURE = "journal.jsonl", "failure.safetensors"
+_PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal to this process when its parent dies
 _RAISED_AS = {error.__name__: error for error in (UsageError, ProblemError, FixtureError)}
 
 
@@ -104,7 +106,7 @@ def supervised(backend: Backend, device: torch.device | str, profile: str | Prof
         journal = _Journal(Path(scratch), backend, device)
         copy = multiprocessing.get_context("fork").Process(
             target=_search_copy, name=f"mla-verify search ({backend.name})", daemon=True,
-            args=(scratch, backend, device, profile, options))
+            args=(scratch, os.getpid(), backend, device, profile, options))
         start_copy(copy)
         interrupted = _follow(copy, journal, on_start, on_case)
         if journal.error is not None and journal.error[0] != "KeyboardInterrupt":
@@ -207,13 +209,17 @@ def _case_json(spec: Any, layout: LayoutSpec, transform: str) -> list[Any]:
 
 
 # ---------------------------------------------------------------- the copy
-def _search_copy(scratch: str, backend: Backend, device: torch.device, profile: str | Profile,
+def _search_copy(scratch: str, parent: int, backend: Backend, device: torch.device, profile: str | Profile,
                  options: dict[str, Any]) -> None:
     """The copy: the search in-process, each case journaled as it starts and as it ends, then its result (or the
     exception it raised, which the parent raises)."""
     fresh_copy()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, which then tells this process
     signal.signal(signal.SIGTERM, _interrupt)
+    # and so is a parent that dies (killed): a copy never searches on, orphaned
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before that
+        return
     watchdog.set_stuck_exit(EXIT_STUCK, "the search process (the run goes on isolated)")
     tempfile.tempdir = scratch  # Hypothesis's scratch directory goes with the journal: removed even if this dies
     fd = os.open(Path(scratch) / _JOURNAL, os.O_WRONLY | os.O_APPEND)
