@@ -16,9 +16,13 @@ confirms the crash, in the words ``--isolate`` gives ("the kernel crashed: kille
 seeded search (premerge, dev, fuzz without an example database: profiles.py) draws the same cases given the
 same verdicts, so it retraces the copy's cases at the cost of a lookup each, reaches the case that killed the
 copy, and goes on exactly as ``--isolate`` would: the same cases, the crash shrunk like any failure, the same
-minimal case. An unseeded search (fuzz with ``--hypothesis-db``) cannot be retraced: the confirmed crash is then
-its failure, made smaller as a failing corner case is (engine.verify's ``found``), after the copy's cases.
-Either way ``--minutes`` counts the copy's time too.
+minimal case. An unseeded search (fuzz with ``--hypothesis-db``) cannot be retraced: the choice sequence the
+copy journaled for the crashing case goes into the example database, among the examples Hypothesis has not
+shrunk yet, and the search replays it first and shrinks it as it shrinks any failure (engine.verify's
+``found``; a case Hypothesis did not draw is the failure as it stands, made smaller as a failing corner case
+is); the copy's cases head the list. Either way ``--minutes`` counts the copy's time too. The copy ends with
+this process: Ctrl-C reaches it as SIGTERM, which ends its search with what it judged, and so does this
+process's death.
 """
 from __future__ import annotations
 
@@ -216,7 +220,7 @@ def _search_copy(scratch: str, parent: int, backend: Backend, device: torch.devi
     fresh_copy()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, which then tells this process
     signal.signal(signal.SIGTERM, _interrupt)
-    # and so is a parent that dies (killed): a copy never searches on, orphaned
+    # and so is a parent that dies (killed): a copy never searches on, orphaned (forkable: Linux has prctl)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # it died before that
         return
