@@ -31,7 +31,8 @@ from .core.errors import UsageError
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import Profile, get_profile
 from .records.failure import DEFAULT_FIXTURES_DIR, failure_lines, in_flight_path, record_in_flight, save_reproducer
-from .run.engine import DEFAULT_SEED, EngineResult, verify
+from .run.engine import DEFAULT_SEED, EngineResult
+from .run.supervise import IN_PROCESS, how_to_run, search
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,17 @@ class Shard:
 
 def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile: str = "premerge",
                    seed: int | None = None, shard: Shard = Shard(), hypothesis_db: str | None = None,
-                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR, isolate: bool = False) -> EngineResult:
+                   fixtures_dir: str | Path = DEFAULT_FIXTURES_DIR, isolate: bool | None = None,
+                   otherwise: str = IN_PROCESS) -> EngineResult:
     """Run the engine on ``backend``; skip (pytest) when it cannot run on ``device``, fail with the FAIL block
-    when a case fails (its reproducer written to ``fixtures_dir``). ``isolate``: each case in a worker process,
-    so that a kernel that crashes fails its case; in this process, the case in flight is recorded before its
-    kernel runs (failure.record_in_flight), which a crash of this process (an xdist worker's) leaves behind."""
+    when a case fails (its reproducer written to ``fixtures_dir``). ``isolate`` as ``check --isolate``
+    (run/supervise.py's how_to_run): None, the search supervised, in a copy of this process, going on isolated
+    if a kernel crashes it -- where this process cannot be copied (a GPU), ``otherwise``; True, each case in a
+    worker process; both fail the crashing case. False (IN_PROCESS): in this process, the case in flight is
+    recorded before its kernel runs (failure.record_in_flight), which a crash of this process (an xdist
+    worker's) leaves behind."""
     fixtures_dir = Path(fixtures_dir)
+    how = how_to_run(isolate, device, otherwise)
 
     def starting(case: Any) -> None:
         record_in_flight(fixtures_dir, backend.name, case.spec, case.layout, case.transform, torch.device(device),
@@ -70,9 +76,8 @@ def verify_backend(backend: Backend, device: torch.device | str = "cpu", profile
 
     try:
         chosen, max_examples, shard_seed = shard.plan(get_profile(profile), seed)
-        result = verify(backend, device, chosen, seed=shard_seed, max_examples=max_examples,
-                        database=resolve_database(hypothesis_db), isolate=isolate,
-                        on_start=None if isolate else starting)
+        result = search(backend, device, chosen, how, seed=shard_seed, max_examples=max_examples,
+                        database=resolve_database(hypothesis_db), on_start=starting if how == IN_PROCESS else None)
     except UsageError as e:  # a bad profile, database or environment variable: one line, not a traceback
         pytest.fail(str(e), pytrace=False)
     in_flight_path(fixtures_dir).unlink(missing_ok=True)

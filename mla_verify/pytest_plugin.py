@@ -26,6 +26,7 @@ from .core.errors import UsageError, did_you_mean
 from .draw.hypothesis_db import resolve_database
 from .draw.profiles import PROFILES
 from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
+from .run.supervise import IN_PROCESS, ISOLATED, how_to_run
 from .run.warmup import WarmupResult, warm_up
 from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request, worker_threads
 
@@ -53,14 +54,20 @@ class MLAOptions:
     hypothesis_db: str | None  # directory or redis:// URL, resolved by hypothesis_db.resolve_database
     shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
     fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
-    isolate: bool | None = None  # None: --mla-kernel's tests isolated, the verify_kernel fixture's not
+    isolate: bool | None = None  # None: supervised where the process can fork, else as the test's kind says
 
-    def verify_options(self, device: torch.device, shard: Shard, isolate: bool = False) -> dict[str, Any]:
-        """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run;
-        ``isolate`` is the default when the run does not say."""
+    def verify_options(self, device: torch.device, shard: Shard) -> dict[str, Any]:
+        """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run."""
         return dict(device=device, profile=self.profile, seed=self.seed, shard=shard,
-                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir,
-                    isolate=isolate if self.isolate is None else self.isolate)
+                    hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir, isolate=self.isolate,
+                    otherwise=self.otherwise)
+
+    @property
+    def otherwise(self) -> str:
+        """How cases are judged, unsaid, where the process cannot fork a supervised search (a GPU): each in a
+        worker for ``--mla-kernel``'s tests, in-process for the others (the fixture's kernel may be a closure,
+        which a worker cannot import)."""
+        return ISOLATED if self.kernel is not None else IN_PROCESS
 
 
 # name, metavar, help; "backend" is the one repeatable option (an ini linelist, a comma list in the env)
@@ -76,8 +83,10 @@ _OPTION_HELP = (
     ("shards", "N", "split each backend's and kernel's verification into N tests, each judging every N-th case "
                     "(default: the number of xdist workers, 1 without xdist)"),
     ("fixtures_dir", "DIR", f"where failing tests write reproducers (default {DEFAULT_FIXTURES_DIR})"),
-    ("isolate", "on|off", "judge each case in a worker process, so that a kernel that crashes fails its case "
-                          "(default: on for --mla-kernel, off for the mla_verify_kernel fixture)"),
+    ("isolate", "on|off", "on: judge each case in a worker process; off: in the test's process, which a kernel's "
+                          "crash ends (default: on the CPU the search in a copy of the test's process, going on "
+                          "with every case isolated if a kernel crashes it; on a GPU on for --mla-kernel, off for "
+                          "the mla_verify_kernel fixture)"),
 )
 
 
@@ -222,8 +231,7 @@ class KernelItem(pytest.Item):
         options = self.config.stash[_OPTIONS_KEY]
         device = torch.device(worker_assignment(self.config).run_device)
         assert options.kernel is not None  # this item is collected only for --mla-kernel
-        verify_backend(load_kernel(options.kernel, "--mla-kernel"),
-                       **options.verify_options(device, self.shard, isolate=True))
+        verify_backend(load_kernel(options.kernel, "--mla-kernel"), **options.verify_options(device, self.shard))
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return Path(__file__), None, self.name
@@ -273,17 +281,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _warm_up(config: pytest.Config, device: torch.device) -> WarmupResult:
     """This process's warm-up (run/warmup.py), before its first verifying test: every module of the backends
-    the run verifies, or of ``--mla-kernel``'s. Built here; loaded here too unless those tests isolate their
-    cases (MLAOptions.verify_options: ``--mla-kernel``'s by default), whose workers then load them."""
+    the run verifies, or of ``--mla-kernel``'s. Built here; loaded here too (a supervised search's copy of this
+    process has them) unless those tests isolate their cases, whose workers then load them."""
     options = config.stash[_OPTIONS_KEY]
     backends: list[Backend]
     if options.kernel is not None:
         backends = [load_kernel(options.kernel, "--mla-kernel")]
     else:
         backends = [b for name, b in all_backends().items() if not options.backends or name in options.backends]
-    isolated = options.kernel is not None if options.isolate is None else options.isolate
     return warm_up([b for b in backends if b.unavailable_reason(device) is None], device, sys.__stderr__,
-                   load=not isolated)
+                   load=how_to_run(options.isolate, device, options.otherwise) != ISOLATED)
 
 
 # --- controller side under xdist (optional hooks: xdist may not be installed) ---

@@ -15,7 +15,8 @@ from cli_kernels import SMALL_ENVELOPE  # small problems: each case takes millis
 from mla_verify.backends.cpu_peer import cpu_peer_decode
 
 CRASH_BATCH = 3  # segfaults and hangs from this batch size on (SMALL_ENVELOPE's largest)
-CRASH_SEQ_LEN = 20  # aborts on a sequence longer than this (SMALL_ENVELOPE goes to 40)
+CRASH_SEQ_LEN = 20  # aborts or exits on a sequence longer than this (SMALL_ENVELOPE goes to 40)
+EXIT_CODE = 3
 
 
 def _batch(query: torch.Tensor) -> int:
@@ -35,6 +36,16 @@ def aborts_on_long_sequences(query: torch.Tensor, kv_cache: torch.Tensor, worksp
     """os.abort() (SIGABRT) when a sequence is longer than CRASH_SEQ_LEN tokens."""
     if int(seq_lens.max()) > CRASH_SEQ_LEN:
         os.abort()
+    return cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, *args, **kwargs)
+
+
+def exits_on_long_sequences(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int,
+                            rope: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, *args: Any,
+                            **kwargs: Any) -> Any:
+    """Ends its process at once with exit code EXIT_CODE (as a native library calling exit() does) when a sequence
+    is longer than CRASH_SEQ_LEN tokens."""
+    if int(seq_lens.max()) > CRASH_SEQ_LEN:
+        os._exit(EXIT_CODE)
     return cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, *args, **kwargs)
 
 
@@ -91,8 +102,8 @@ def _read_at(tensor: torch.Tensor, offset: int) -> None:
     torch.cuda.synchronize(tensor.device)
 
 
-for kernel in (segfaults_on_big_batches, aborts_on_long_sequences, hangs_in_native_code_on_big_batches,
-               cuda_error_on_big_batches):
+for kernel in (segfaults_on_big_batches, aborts_on_long_sequences, exits_on_long_sequences,
+               hangs_in_native_code_on_big_batches, cuda_error_on_big_batches):
     kernel.mla_verify_envelope = SMALL_ENVELOPE  # type: ignore[attr-defined]
 for kernel in (gathers_past_its_pool, reads_far_past_its_pool):
     kernel.mla_verify_envelope = {**SMALL_ENVELOPE, "devices": ["cuda"]}  # type: ignore[attr-defined]

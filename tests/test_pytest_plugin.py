@@ -216,7 +216,17 @@ def test_each_worker_gets_its_share_of_the_cores_unless_the_user_chose(env, work
     assert worker_threads(workers, env, cores) == threads
 
 
-def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester, clean_env, monkeypatch):
+@pytest.fixture
+def one_torch_thread():
+    """The supervised default forks the test's process, which needs one torch thread (isolate.forkable)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester, clean_env, monkeypatch,
+                                                                         one_torch_thread):
     built: list[list[str]] = []
 
     @in_background
@@ -230,16 +240,15 @@ def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester
     monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: declared)
     kernel = f"{TESTS / 'cli_kernels.py'}:good"
     result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-shards", "2", "--mla-device", "cpu",
-                                "--mla-profile", "dev")
+                                "--mla-profile", "dev", "--mla-isolate", "on")
     result.assert_outcomes(passed=2)
     assert built == [["a"]]  # two kernel tests, one warm-up
-    assert loaded == []  # --mla-kernel's tests are isolated: their case workers load, not this process
+    assert loaded == []  # isolated: their case workers load, not this process
     result.stdout.fnmatch_lines([f"mla-verify: warm-up on main (cpu): 1 module(s) for {kernel} in * "
                                  "(build *, each case worker loads them)"])
-    result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev",
-                                "--mla-isolate", "off")
+    result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev")
     result.assert_outcomes(passed=1)
-    assert loaded == ["mod-a"]  # in-process: built and loaded here
+    assert loaded == ["mod-a"]  # supervised (the default): built and loaded here, and the search's copy has it
     declared[:] = [WarmupModule("mod-b", "broken", build, lambda: None)]
     result = pytester.runpytest(*QUIET, "--mla-kernel", kernel, "--mla-device", "cpu", "--mla-profile", "dev")
     result.assert_outcomes(passed=1)  # a failed warm-up is said; the kernel's tests judge what happens next

@@ -1,8 +1,8 @@
-"""Sparse cases get the crash verdict dense ones get (test_crash.py): isolated, a sparse kernel that segfaults or
-aborts on an index past its pool fails its case as a crash, the search shrinks it to a smallest crashing case,
-and its reproducer crashes again on replay; in this process, a CUDA error is a crash of the running case (exit
-1), and a crash that takes the process leaves the case in flight behind. Isolation changes no case and no
-verdict of a kernel that does not crash."""
+"""Sparse cases get the crash verdict dense ones get (test_crash.py): with no flag (supervised) or isolated, a
+sparse kernel that segfaults or aborts on an index past its pool fails its case as a crash, the search shrinks it
+to a smallest crashing case, and its reproducer crashes again on replay; in this process, a CUDA error is a
+crash of the running case (exit 1), and a crash that takes the process leaves the case in flight behind.
+Isolation and supervision change no case and no verdict of a kernel that does not crash."""
 from __future__ import annotations
 
 import json
@@ -13,22 +13,30 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from crashing_sparse_kernels import CRASH_SLOT
-from test_crash import PYTHONPATH, check, replay, reproducer
+from test_crash import PYTHONPATH, cases_of, check, replay, reproducer
 
 from mla_verify.backends import named_backend
 from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseSpec
 from mla_verify.run.engine import verify
+from mla_verify.run.supervise import IN_PROCESS, ISOLATED, SUPERVISED, search
 
 KERNELS = "crashing_sparse_kernels"
 
 
-@pytest.mark.parametrize("kernel, signal_name", [("segfaults_on_large_index", "SIGSEGV"),
-                                                 ("aborts_on_large_index", "SIGABRT")])
-def test_an_isolated_sparse_crash_is_shrunk_to_a_smallest_crashing_case_and_replays(capsys, tmp_path, kernel,
-                                                                                       signal_name):
-    code, out = check(capsys, kernel, tmp_path, "--isolate", module=KERNELS)
-    assert code == 1, out
+@pytest.mark.parametrize("kernel, signal_name, flag", [("segfaults_on_large_index", "SIGSEGV", "--isolate"),
+                                                       ("aborts_on_large_index", "SIGABRT", None)])
+def test_a_sparse_crash_is_shrunk_to_a_smallest_crashing_case_and_replays(capsys, tmp_path, kernel, signal_name,
+                                                                         flag):
+    # with no flag the search runs in a copy of this process and goes on isolated once the kernel kills it: the
+    # segfault's run checks that this gives the very cases of an isolated run
+    for name in (["--isolate", "default"] if flag else ["default"]):
+        code, out = check(capsys, kernel, tmp_path / name, *([name] if name != "default" else []), "--report",
+                          str(tmp_path / f"{name}.json"), module=KERNELS)
+        assert code == 1, out
+    if flag:
+        assert cases_of(tmp_path / "default.json") == cases_of(tmp_path / f"{flag}.json")
     assert f"the kernel crashed: killed by {signal_name}" in out and "(in stage 'kernel')" in out
     meta = json.loads(reproducer(out).read_text())
     assert signal_name in meta["crash"]
@@ -65,16 +73,27 @@ def test_a_cuda_error_in_process_is_a_crash_of_the_running_sparse_case(capsys, t
     assert json.loads(reproducer(out).read_text())["crash"].startswith("CUDA error")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """A supervised search forks this process, which needs one torch thread (isolate.forkable); every run of a
+    comparison then has the same count (CPU sums round by it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kernel, verdict", [("correct_sparse_kernel", "pass"), ("tile_scale_shifted", "fail")])
-def test_isolation_gives_the_same_sparse_cases_and_verdicts(kernel, verdict):
+def test_isolation_and_supervision_give_the_same_sparse_cases_and_verdicts(kernel, verdict, one_torch_thread):
     target = f"mla_verify.kernels.mutants:{kernel}"
-    runs = [verify(named_backend(target), "cpu", "premerge", max_examples=5, isolate=isolate)
-            for isolate in (True, False)]
+    runs = [search(named_backend(target), "cpu", "premerge", how, max_examples=5)
+            for how in (ISOLATED, IN_PROCESS, SUPERVISED)]
     seen = [[(c.spec.case_id(), c.verdict, c.failures, c.diagnosis) for c in r.cases] for r in runs]
-    assert seen[0] == seen[1]  # the same cases, verdicts, errors (the same bits) and diagnoses
-    assert [r.verdict for r in runs] == [verdict, verdict]
-    failures = [None if r.failure is None else (r.failure.spec, r.failure.failures) for r in runs]
-    assert failures[0] == failures[1]
+    assert seen[0] == seen[1] == seen[2]  # the same cases, verdicts, errors (the same bits) and diagnoses
+    assert [r.verdict for r in runs] == [verdict] * 3
+    failures = [None if r.failure is None else (r.failure.spec, r.failure.failures, r.failure.diagnosis)
+                for r in runs]
+    assert failures[0] == failures[1] == failures[2]
 
 
 def test_out_of_memory_skips_the_sparse_case_as_the_dense_harness_does():

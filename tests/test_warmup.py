@@ -25,7 +25,7 @@ from mla_verify.backends.base import WarmupModule
 from mla_verify.backends.trtllm_style import TrtllmStyleBackend
 from mla_verify.backends.user_kernel import load_kernel
 from mla_verify.cli.main import main
-from mla_verify.run import isolate
+from mla_verify.run.progress import Progress
 from mla_verify.run.warmup import warm_up
 
 CPU = torch.device("cpu")
@@ -135,13 +135,14 @@ def journal(monkeypatch: pytest.MonkeyPatch) -> Journal:
 
     modules = [j.module("mod-a", slow_build), j.module("mod-b", slow_build)]
     monkeypatch.setattr(TrtllmStyleBackend, "warmup", lambda self, device: modules)
-    run_case = isolate.run_case  # as the in-process judge calls it (check's default on CPU)
+    start = Progress.start  # check's on_start, in this process however the cases are judged (check's default on
+    # CPU judges them in a copy of this process, whose journal calls it)
 
-    def logged(*args: Any, **kwargs: Any) -> Any:
+    def logged(self: Progress, case: Any) -> None:
         j.log("case", None)
-        return run_case(*args, **kwargs)
+        start(self, case)
 
-    monkeypatch.setattr(isolate, "run_case", logged)
+    monkeypatch.setattr(Progress, "start", logged)
     return j
 
 

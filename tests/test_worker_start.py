@@ -60,8 +60,10 @@ def test_pytest_mla_kernel_from_a_cuda_initialised_process_judges_its_cases(tmp_
     """pytest's own process is the parent here (xdist's workers start as fresh interpreters, as this one
     does: ``pytest -n 2`` adds half a minute on this machine and nothing to what is tested; the GPU run,
     benchmarks/fresh_runner.py, uses it)."""
+    # isolated: the default would fork this process, whose fake CUDA context torch.cuda.is_initialized() does not
+    # report (a real one it does, and then the default is isolated: isolate.forkable)
     done = cuda_initialised(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--mla-device", "cpu",
-                            "--mla-kernel", "cli_kernels:needs_cuda", "--mla-profile", "dev")
+                            "--mla-kernel", "cli_kernels:needs_cuda", "--mla-profile", "dev", "--mla-isolate", "on")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 

@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a kernel call that runs longer fails its case as hung (default: %(default)g s)")
     check.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                        help="judge each case in a worker process, so that a kernel that crashes (a signal, a CUDA "
-                       "error) fails its case and the search goes on (default: on with --device cuda, off on cpu)")
+                       "error) fails its case and the search goes on; --no-isolate: in this process, where a crash "
+                       "ends the run (default: on cpu the search runs in a copy of this process, and if a kernel "
+                       "crashes it, goes on with every case isolated; on with --device cuda)")
     check.add_argument("--report", metavar="PATH",
                        help="write a JSON report to PATH and JUnit XML, Markdown, HTML and SVG plots beside it")
     check.add_argument("--hypothesis-db", metavar="DIR|redis://HOST:PORT/DB",
@@ -87,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     _convention_argument(replay)
     _device_argument(replay, None, "default: where the fixture was recorded if available here, else cpu")
     replay.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                        help="run the case in a worker process, so that a crash is a verdict (default: on when "
-                        "its spec rebuilds the problem; --no-isolate to run it under a debugger)")
+                        help="run the case in a worker process, so that a crash is a verdict (default: on, on cpu "
+                        "in a copy of this process, elsewhere when its spec rebuilds the problem; --no-isolate to "
+                        "run it under a debugger)")
     replay.add_argument("--case-timeout", type=positive_seconds, metavar="S", default=DEFAULT_KERNEL_SECONDS,
                         help="a kernel call that runs longer fails the case as hung (default: %(default)g s)")
     replay.set_defaults(func=cmd_replay)
@@ -165,6 +168,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.engine import verify
     from ..run.isolate import case_judge
     from ..run.progress import Progress
+    from ..run.supervise import IN_PROCESS, ISOLATED, how_to_run, search
     from ..run.warmup import start_warm_up
 
     # Everything that can be wrong with the command is found here, before the first case.
@@ -182,16 +186,16 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
     backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
-    isolate = device.type == "cuda" if ns.isolate is None else ns.isolate
+    how = how_to_run(ns.isolate, device)
     in_flight = in_flight_path(ns.fixtures_dir)
 
     started = time.monotonic()
     runnable = [b for b, reason in backends if reason is None]
-    # built here once, in the background; loaded here, or in each case worker where cases are isolated
-    # (warmup.py). Every backend's worker starts now and warms up while the others do, so that the first
-    # backend's cases are judged while later ones still warm up
-    warming = start_warm_up(runnable, device, load=not isolate)
-    judges = {b.name: case_judge(b, device, ns.case_timeout, isolate) for b in runnable}
+    # built here once, in the background; loaded here (a supervised search's copy of this process has them
+    # too), or in each case worker where cases are isolated (warmup.py). Every backend's worker starts now and
+    # warms up while the others do, so that the first backend's cases are judged while later ones still warm up
+    warming = start_warm_up(runnable, device, load=how != ISOLATED)
+    judges = {b.name: case_judge(b, device, ns.case_timeout, True) for b in runnable} if how == ISOLATED else {}
     for judge in judges.values():
         judge.launch()
     warmup = None
@@ -203,26 +207,25 @@ def cmd_check(ns: argparse.Namespace) -> int:
             if reason is not None:
                 print(f"skipped {backend.name}: {reason}", flush=True)
         for backend, reason in backends:
-            if warmup is None and (not isolate or warming.done()):  # in-process: loaded before the first case
+            if warmup is None and (how != ISOLATED or warming.done()):  # loaded here before the first case
                 warmup = warming.wait()
                 _print_warmup("warm-up", warmup)
             if reason is not None:
                 results.append(verify(backend, device, profile))  # records the backend as unavailable
                 continue
-            if not isolate:
+            if how == IN_PROCESS:
                 print(in_flight_note(in_flight), flush=True)
             with Progress(backend.name, ns.minutes or profile.minutes,
                           _planned_cases(backend, device, profile, ns.max_examples)) as progress:
                 def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
-                    if not isolate:  # write-ahead: a crash that takes this process leaves the case behind
+                    if how == IN_PROCESS:  # write-ahead: a crash that takes this process leaves the case behind
                         record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform,
                                          device, backend.source)
                     progress.start(case)
 
-                result = verify(backend, device, profile, seed=ns.seed, max_examples=ns.max_examples,
+                result = search(backend, device, profile, how, seed=ns.seed, max_examples=ns.max_examples,
                                 minutes=ns.minutes, database=database, on_case=progress.update,
-                                on_start=starting, kernel_seconds=ns.case_timeout, isolate=isolate,
-                                judge=judges[backend.name])
+                                on_start=starting, kernel_seconds=ns.case_timeout, judge=judges.get(backend.name))
             in_flight.unlink(missing_ok=True)
             _print_backend_result(result)
             results.append(result)
@@ -354,7 +357,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..records.failure import crash_line
     from ..records.fixtures import load_fixture
     from ..run import watchdog
-    from ..run.isolate import InProcess, Isolated
+    from ..run.isolate import InProcess, Isolated, forkable
 
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not when the kernel hangs
     fx = load_fixture(ns.fixture)
@@ -387,16 +390,18 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     print(f"  case: {fx.spec.describe()}")
     print(f"  layout: {fx.kind.describe_layout(fx.layout)}")
     transform = fx.meta.get("metamorphic", "none")
-    # isolated, the worker rebuilds the problem from the spec; a stored problem runs here
-    isolate = fx.problem is None if ns.isolate is None else ns.isolate
-    if isolate and fx.problem is not None:
-        raise UsageError(f"{fx.json_path}: stores its problem (its spec does not rebuild it): it cannot be replayed "
-                         "isolated; --no-isolate")
+    # isolated, a copy of this process judges the problem as it is here; a worker of the fork server rebuilds it
+    # from its spec, and a stored problem, which no spec rebuilds, then runs here
+    fork = forkable(device)
+    isolate = (fork or fx.problem is None) if ns.isolate is None else ns.isolate
+    if isolate and not fork and fx.problem is not None:
+        raise UsageError(f"{fx.json_path}: stores its problem (its spec does not rebuild it): only a copy of this "
+                         "process (on Linux, on the CPU, with one torch thread) can replay it isolated; --no-isolate")
     problem, exact = fx.problem_on(device)
     if fx.problem is None:
         print(f"  problem: {_rebuilt(exact, fx.meta)}")
-    judge = Isolated(backend, device, ns.case_timeout, keep_output=True) if isolate \
-        else InProcess(backend, device, ns.case_timeout, problem)
+    judge = Isolated(backend, device, ns.case_timeout, keep_output=True, fork=fork, problem=problem if fork else None) \
+        if isolate else InProcess(backend, device, ns.case_timeout, problem)
     try:
         result = judge(fx.spec, fx.layout, transform, True)
     finally:

@@ -11,7 +11,9 @@ case. Past the deadline a search that found a failure reports the smallest one s
 that overruns ``kernel_seconds`` fails its case and ends the search at once (a hung kernel is not shrunk:
 every attempt would hang too). With ``isolate`` each case is judged in a worker process (isolate.py): a
 kernel that crashes its process fails its case as a crash, and the search goes on and shrinks it; in this
-process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search. The
+process, a CUDA error that leaves the device unusable fails its case as a crash and ends the search
+(supervise.py runs the search in a copy of this process, and takes it over isolated when a kernel kills the
+copy or its device: a seeded search retraces itself, an unseeded one is handed the case, ``found``). The
 worker warms up before the first case and after each restart (isolate.py); that time is the run's warm-up
 (``EngineResult.warmup``), left out of its seconds and its minutes, as the caller's warm-up before an
 in-process run is. Ctrl-C ends the search and returns what was judged so far (``EngineResult.interrupted``).
@@ -27,8 +29,10 @@ import torch
 from hypothesis import given, target
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
-from hypothesis.database import ExampleDatabase
-from hypothesis.errors import Flaky
+from hypothesis.control import current_build_context
+from hypothesis.database import ExampleDatabase, choices_to_bytes
+from hypothesis.errors import Flaky, InvalidArgument
+from hypothesis.internal.reflection import function_digest
 
 from ..backends.base import Backend
 from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
@@ -117,11 +121,16 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
            on_case: Callable[[CaseResult], None] | None = None,
            on_start: Callable[[Case], None] | None = None,
            kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
-           budget: Budget | None = None, isolate: bool = False, judge: CaseJudge | None = None) -> EngineResult:
+           budget: Budget | None = None, isolate: bool = False, judge: CaseJudge | None = None,
+           found: Found | None = None) -> EngineResult:
     """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
     ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's;
     ``isolate`` judges each case in a worker process; ``judge``: the one ``case_judge`` made for these arguments,
-    already launched (check starts every backend's isolated worker at once); this run closes it."""
+    already launched (check starts every backend's isolated worker at once), or another; this run closes it.
+    ``found``: a failing case judged before this run, by a search that died on it and that this run cannot
+    retrace (supervise.py): with its choice sequence and a ``database``, Hypothesis replays it first (then
+    shrinks it, as any failure it finds); else it is this run's failure, made smaller and replayed as a failing
+    corner case is, and nothing is drawn."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = DEFAULT_SEED if seed is None else seed
@@ -166,8 +175,14 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
 
     corner_failure: CaseResult | None = None
     drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
+    replay = None if found is None or database is None else found.choices  # drawn again first, by Hypothesis
+    if found is not None and replay is None:  # judged already: the failure, as a failing corner case is
+        corner_failure = found.result
+        if on_case is not None:
+            on_case(found.result)
+        result.cases.append(found.result)
     try:
-        if prof.corner_cases:
+        if prof.corner_cases and corner_failure is None:
             first, step = prof.share
             for case in kind.corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
@@ -179,9 +194,11 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         # is shrunk by Hypothesis to the smallest problem that still fails, which is what a user wants to read
         # (the corner case is made smaller too, below: the smaller of the two is reported).
         # Hypothesis may end a search before the deadline by its own rules (e.g. it judges a small envelope
-        # exhausted); a time-bounded random search then starts another until the deadline
-        for restart in itertools.count():  # each restart its own seed: the same one would repeat the cases
-            _search(backend, kind, prof, max_examples, database, seed + restart, budget, clock, record, drawn)
+        # exhausted); a time-bounded random search then starts another until the deadline, each with its own
+        # seed (the same one would repeat the cases)
+        for restart in itertools.count() if found is None or replay is not None else ():
+            _search(backend, kind, prof, max_examples, database, seed + restart, budget, clock, record, drawn,
+                    replay if restart == 0 else None)
             if drawn or prof.deterministic or clock.deadline is None:
                 break
     except _Stop:
@@ -222,13 +239,34 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     return result
 
 
+@dataclass(frozen=True)
+class Found:
+    """A failing case judged before a run, by a search that died on it (supervise.py): its verdict, and the
+    choice sequence Hypothesis drew it from (``drawn_choices``; None for a case Hypothesis did not draw)."""
+
+    result: CaseResult
+    choices: bytes | None = None
+
+
+def drawn_choices() -> bytes | None:
+    """The choice sequence of the case Hypothesis is running now, as its example database stores it; None
+    outside a Hypothesis search (a corner case, simplify.py's)."""
+    try:
+        context = current_build_context()
+    except InvalidArgument:
+        return None
+    return choices_to_bytes(context.data.choices)
+
+
 def _warm_seconds(judge: CaseJudge) -> float:
     return 0.0 if judge.warmup is None else judge.warmup.seconds
 
 
 def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: int | None,
             database: ExampleDatabase | None, seed: int, budget: Budget, clock: _Clock,
-            record: Callable[..., CaseResult], failures: list[CaseResult]) -> None:
+            record: Callable[..., CaseResult], failures: list[CaseResult], replay: bytes | None = None) -> None:
+    """Hypothesis's search; ``replay``: a choice sequence saved into ``database`` first, which the search then
+    replays before it draws anything (its reuse phase)."""
     first, step = prof.share
     drawn_cases = itertools.count()
 
@@ -250,6 +288,11 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
     # One database key per backend (Hypothesis keys on the test's source, the same for every backend),
     # so runners sharing a database replay each other's failures for that backend.
     search.hypothesis.inner_test._hypothesis_internal_add_digest = backend.name.encode()  # type: ignore[attr-defined]
+    if replay is not None and database is not None:
+        # under the key Hypothesis gives this test (its run_engine), in the secondary corpus: examples it has not
+        # shrunk yet (one in the primary corpus it takes for shrunk already, and does not shrink)
+        key = function_digest(search.hypothesis.inner_test)  # type: ignore[attr-defined]
+        database.save(key + b".secondary", replay)
     if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
         search = hypothesis_seed(seed)(search)
     try:

@@ -14,6 +14,9 @@ but what runs as Python starts (a sitecustomize, a .pth file) runs there too; a 
 server where CUDA was initialised says so before anything else, and from then on this process starts its
 workers by spawn (each a fresh interpreter: slower to start, it never inherits CUDA). A worker that cannot
 start -- it cannot load its backend, or cannot start CUDA on its device -- is a UsageError that says why.
+Where this process can be copied safely (``forkable``: Linux, the CPU, no CUDA context, one torch thread), a
+worker can instead be a copy of it (``fork=True``): no import at all, the backend as it is here (a closure too)
+and a problem held here (a stored reproducer's); the supervisor (supervise.py) and replay use those.
 Cases of every problem kind (mla_verify/kinds) are judged alike, by harness.run_case.
 
 Only the case and its verdict cross the process boundary, as JSON messages: the worker rebuilds each problem
@@ -25,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
+import functools
 import json
 import multiprocessing
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.sharedctypes import RawValue
@@ -103,12 +109,17 @@ class InProcess:
 class Isolated:
     """Cases judged in a persistent worker process, replaced after each death. ``keep_output``: the kernel's
     output and LSE come back for every case (replay compares their bits), not only for failures. ``warm``: each
-    worker loads the backend's modules before its first case (``warmup`` adds up what that took)."""
+    worker loads the backend's modules before its first case (``warmup`` adds up what that took). ``fork``: each
+    worker is a copy of this process (``forkable`` must hold), which judges ``problem`` when one is given (a
+    stored reproducer's) instead of building each case's from its spec."""
 
     def __init__(self, backend: Backend, device: torch.device, kernel_seconds: float | None,
-                 keep_output: bool = False, warm: bool = False) -> None:
+                 keep_output: bool = False, warm: bool = False, fork: bool = False, problem: Any = None) -> None:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
-        self._worker = _Worker(backend.name, backend.source, device, kernel_seconds, warm)
+        self.problem = problem
+        load: Callable[[], Backend] = functools.partial(_as_it_is, backend) if fork \
+            else functools.partial(named_backend, backend.name, backend.source)
+        self._worker = _Worker(backend.name, load, device, kernel_seconds, warm, fork, problem)
 
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         reply = self._worker.ask({"spec": spec.to_json(), "layout": layout.to_json(), "transform": transform,
@@ -118,10 +129,8 @@ class Isolated:
             result = CaseResult(self.backend.name, spec, layout, transform, "pass")
             crashed(result, reply.what, reply.stage)
             return result
-        result = _decoded(self.backend.name, spec, layout, transform, *reply)
-        if result.verdict == "fail" and not result.crash:  # for the reproducer, as run_case keeps it
-            result.problem = kind_named(self.backend.kind).build(spec, self.device)
-        return result
+        result = decoded(self.backend.name, spec, layout, transform, *reply)
+        return with_problem(result, self.backend.kind, self.device, self.problem)
 
     def launch(self) -> None:
         """A worker starting now, if none is: it loads the backend and warms up while this process goes on."""
@@ -149,13 +158,14 @@ class _Death:
 
 class _Worker:
     """One persistent worker process judging one backend's cases, started on the first case (or launched
-    earlier) and again after each death. ``target`` (its name: a registered one, or the ``--kernel`` it was given
-    as) and ``source`` load the backend in the worker (``named_backend``); ``warm``: each worker loads the
-    backend's compiled modules before its first case (warmup.py), and ``warmup`` adds up what that took."""
+    earlier) and again after each death. ``load`` gives the worker its backend (``target``, its name: a
+    registered one, or the ``--kernel`` it was given as); ``warm``: each worker loads the backend's compiled
+    modules before its first case (warmup.py), and ``warmup`` adds up what that took. ``fork``: a copy of this
+    process, judging ``problem`` if one is given; else forked from the fork server."""
 
-    def __init__(self, target: str, source: dict[str, str] | None, device: torch.device,
-                 kernel_seconds: float | None, warm: bool = False) -> None:
-        self.target, self.source = target, source
+    def __init__(self, target: str, load: Callable[[], Backend], device: torch.device,
+                 kernel_seconds: float | None, warm: bool = False, fork: bool = False, problem: Any = None) -> None:
+        self.target, self.load, self.fork, self.problem = target, load, fork, problem
         self.device, self.kernel_seconds, self.warm = device, kernel_seconds, warm
         self.warmup: WarmupResult | None = None
         # index into STAGES of the running case's stage. RawValue is imported with this module, not on first use:
@@ -193,13 +203,17 @@ class _Worker:
     def launch(self) -> None:
         """A worker starting now, if none is running; ``start`` waits for it."""
         if self._process is None:
-            conn, child = _start_method.context().Pipe()
-            process = _start_method.context().Process(
+            context = multiprocessing.get_context("fork") if self.fork else _start_method.context()
+            conn, child = context.Pipe()
+            process = context.Process(
                 target=_serve, name=f"mla-verify worker ({self.target})", daemon=True,
-                args=(child, self.target, self.source, str(self.device), torch.get_num_threads(),
-                      watchdog.grace_seconds(), self._stage, self.warm))
-            with _this_package_first():
-                process.start()
+                args=(child, self.load, str(self.device), torch.get_num_threads(), watchdog.grace_seconds(),
+                      self._stage, self.warm, self.problem))
+            if self.fork:
+                start_copy(process)
+            else:
+                with _this_package_first():
+                    process.start()
             child.close()
             self._process, self._conn, self._ready = process, conn, False
 
@@ -242,13 +256,7 @@ class _Worker:
         self._process.join()
         code = self._process.exitcode
         self._forget()
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name
-            return f"killed by {name} ({signal.strsignal(-code) or name})"
-        if code == EXIT_STUCK:
-            return (f"did not return within {self.kernel_seconds:g} s and could not be interrupted (stuck in native "
-                    "code): its worker process was ended")
-        return f"its worker process exited with code {code}"
+        return ended_by(code, self.kernel_seconds, "its worker process")
 
     def stop(self) -> None:
         if self._process is None:
@@ -314,6 +322,45 @@ def _this_package_first() -> Iterator[None]:
             os.environ["PYTHONPATH"] = saved
 
 
+def ended_by(code: int | None, kernel_seconds: float | None, process: str) -> str:
+    """What ended ``process`` (a worker, the search), by its exit code: a signal, the watchdog's hard stop
+    (EXIT_STUCK) or another exit."""
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name} ({signal.strsignal(-code) or name})"
+    if code == EXIT_STUCK:
+        return (f"did not return within {kernel_seconds:g} s and could not be interrupted (stuck in native "
+                f"code): {process} was ended")
+    return f"{process} exited with code {code}"
+
+
+def forkable(device: torch.device) -> bool:
+    """Whether this process can judge ``device``'s cases in copies of itself (fork): on Linux, on the CPU, with
+    no CUDA context (a copy cannot use it) and one torch thread -- a copy of a process whose OpenMP pool has
+    run more threads hangs at its first parallel region, and with one thread a copy runs none (``check`` runs one
+    on the CPU; more would round CPU sums otherwise than an isolated run does, so the count is not changed)."""
+    return (sys.platform.startswith("linux") and device.type == "cpu" and torch.get_num_threads() == 1
+            and not torch.cuda.is_initialized())
+
+
+def start_copy(process: Any) -> None:
+    """Start ``process``, of the fork context: a copy of this process. Python 3.12 and later warn that a copy
+    of a process with threads may deadlock; the copy runs only this package's code, on streams of its own
+    (``fresh_copy``), never the other threads' (a progress heartbeat, pytest-xdist's channel)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
+        process.start()
+
+
+def fresh_copy() -> None:
+    """What a copy of this process (``start_copy``) does first: stdout and stderr of its own (another thread
+    may have held the inherited ones' lock at the fork, and would never release it here) and no
+    faulthandler dump (pytest enables one) on a crash its parent reports."""
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own, never closed
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.disable()
+
+
 def case_judge(backend: Backend, device: torch.device, kernel_seconds: float | None, isolate: bool) -> CaseJudge:
     """The engine's judge: isolated, its workers warm up (the caller has built: warmup.py)."""
     if isolate:
@@ -326,12 +373,28 @@ def _inherited_cuda() -> bool:
     return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
 
 
-def _decoded(name: str, spec: Any, layout: LayoutSpec, transform: str, header: dict[str, Any],
-             tensors: dict[str, torch.Tensor]) -> CaseResult:
+def result_header(r: CaseResult) -> dict[str, Any]:
+    """A case's verdict as JSON (what crosses a process boundary: ``decoded`` makes it a CaseResult again)."""
+    header = {k: getattr(r, k) for k in _PLAIN}
+    header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
+    return header
+
+
+def decoded(name: str, spec: Any, layout: LayoutSpec, transform: str, header: dict[str, Any],
+            tensors: dict[str, torch.Tensor]) -> CaseResult:
+    """The CaseResult of ``result_header``'s JSON and the kernel's output."""
     stats = header["stats"]
     return CaseResult(name, spec, layout, transform, **{k: header[k] for k in _PLAIN},
                       stats=None if stats is None else ErrorStats(**{**stats, "worst": tuple(stats["worst"])}),
                       out=tensors.get("out"), lse=tensors.get("lse"))
+
+
+def with_problem(result: CaseResult, kind: str, device: torch.device, problem: Any = None) -> CaseResult:
+    """A failure judged in another process, with its problem for its reproducer, as run_case keeps it:
+    ``problem``, else the one its spec builds (bit for bit the one judged). A crash keeps none."""
+    if result.verdict == "fail" and not result.crash:
+        result.problem = problem if problem is not None else kind_named(kind).build(result.spec, device)
+    return result
 
 
 def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -340,21 +403,26 @@ def _send(conn: Connection, message: dict[str, Any], tensors: dict[str, torch.Te
         conn.send_bytes(st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
 
 
-def _serve(conn: Connection, target: str, source: Any, device: str, threads: int, grace: float,
-           stage: Any, warm: bool) -> None:
+def _as_it_is(backend: Backend) -> Backend:
+    return backend
+
+
+def _serve(conn: Connection, load: Callable[[], Backend], device: str, threads: int, grace: float,
+           stage: Any, warm: bool, problem: Any) -> None:
     """The worker: load the backend, start CUDA on ``device`` (``warm``: and load the backend's compiled
-    modules), then judge each case sent until the parent closes the pipe, or until a CUDA error leaves this
-    process's device unusable. ``threads`` and ``grace`` are the parent's now (the environment is the fork
-    server's, from when it started)."""
+    modules), then judge each case sent (on ``problem`` if given) until the parent closes the pipe, or until a
+    CUDA error leaves this process's device unusable. ``threads`` and ``grace`` are the parent's now (the
+    environment is the fork server's, from when it started)."""
     if _inherited_cuda():  # before anything else: nothing here may use CUDA
         _send(conn, {"inherited_cuda": True})
         return
+    fresh_copy()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then ends this worker
     watchdog.set_stuck_exit(EXIT_STUCK, "its worker process (the run goes on)")
     os.environ[watchdog.GRACE_ENV] = repr(grace)
     torch.set_num_threads(threads)  # CPU sums round by the thread count
     try:
-        backend = named_backend(target, source)
+        backend = load()
     except Exception as exc:  # noqa: BLE001 - the parent's one line: a UsageError there
         _send(conn, {"error": f"could not load it: {exc if isinstance(exc, MLAVerifyError) else exception_line(exc)}"})
         return
@@ -376,7 +444,7 @@ def _serve(conn: Connection, target: str, source: Any, device: str, threads: int
         except EOFError:
             return
         try:
-            header, tensors = _judge(backend, request, device, entered)
+            header, tensors = _judge(backend, request, device, entered, problem)
         except (ProblemError, FixtureError) as exc:  # a malformed case (a damaged reproducer): the user's one line
             _send(conn, {"malformed": [type(exc).__name__, str(exc)]})
             continue
@@ -388,12 +456,11 @@ def _serve(conn: Connection, target: str, source: Any, device: str, threads: int
             return
 
 
-def _judge(backend: Backend, request: dict[str, Any], device: str,
-           on_stage: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _judge(backend: Backend, request: dict[str, Any], device: str, on_stage: Callable[[str], None],
+           problem: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     spec = kind_named(backend.kind).spec_from_json(request["spec"])
-    r = run_case(backend, spec, LayoutSpec(**request["layout"]), device, request["transform"],
+    r = run_case(backend, spec, LayoutSpec(**request["layout"]), device, request["transform"], problem=problem,
                  diagnose=request["diagnose"], kernel_seconds=request["kernel_seconds"], on_stage=on_stage)
-    header = {k: getattr(r, k) for k in _PLAIN}
-    header["stats"] = None if r.stats is None else dataclasses.asdict(r.stats)
+    header = result_header(r)
     kept = r.verdict == "fail" or request["keep_output"]
     return header, {k: t for k, t in (("out", r.out), ("lse", r.lse)) if t is not None and kept}

@@ -73,6 +73,16 @@ class _HardStop:
 _hard_stop: _HardStop | None = None
 
 
+def _forget_hard_stop() -> None:
+    """In a copy of this process (a fork): its thread was not copied, so the copy starts its own."""
+    global _hard_stop
+    _hard_stop = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hard_stop)
+
+
 def set_stuck_exit(code: int, ends: str) -> None:
     """The exit code with which the hard stop ends this process (default EXIT_HUNG), and what it ends."""
     global _stuck_exit, _stuck_ends
