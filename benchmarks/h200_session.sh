@@ -11,7 +11,7 @@
 # + agreement), fuzz (FUZZ_BACKENDS side by side, FUZZ_MINUTES each), premerge (the gate on PREMERGE_BACKENDS),
 # parallel (gputests, probe and fuzz at once), final (fuzz, gputests and premerge at once, GPU memory sampled
 # each second), flashmla (issue 29's gate: premerge of flashmla and its GPU tests, only once doctor names the
-# sgl-flash-mla wheel), isolation (the cost of check --isolate: benchmarks/isolation_cost.sh, after warm).
+# sgl-flash-mla wheel), acceptance (fuzz beside gputests, then premerge, then ALONE_TESTS alone), isolation (the cost of check --isolate: benchmarks/isolation_cost.sh, after warm).
 # FUZZ_BACKENDS and PREMERGE_BACKENDS default to "fa3 fa2", BENCH_BACKENDS to "fa2 fa3" (sparse ones get the
 # sparse grid; BENCH_ARGS adds bench options, e.g. "--grid anchor"), GPU_TESTS (the test paths) to tests. fuzz and
 # premerge run isolated (check's default on CUDA); the crash tests alone:
@@ -108,6 +108,19 @@ for phase in "$@"; do
       wait $fuzz $tests $!
       kill $sampler
       tail -n 4 "$R"/par_*.log ;;
+    acceptance)  # the fuzz beside the GPU tests (cut at GPUTESTS_S), then the premerge gate and ALONE_TESTS
+      # (tests that want the GPU's memory to themselves, e.g. tests/gpu/test_large_pool.py) one after the other
+      bash "$0" fuzz > "$R/par_fuzz.log" 2>&1 &
+      fuzz=$!
+      timeout -s INT "${GPUTESTS_S:-330}" bash "$0" gputests > "$R/par_gputests.log" 2>&1
+      wait $fuzz
+      tail -n 3 "$R"/fuzz_*.log
+      bash "$0" premerge > "$R/par_premerge.log" 2>&1
+      grep -E ": (PASS|FAIL)" "$R/premerge_gpu.log"
+      if [ -n "${ALONE_TESTS:-}" ]; then
+        MLA_VERIFY_GPU_RECORD="$R/gpu_record" python3 -m pytest $PLUGIN -m gpu -q -p no:cacheprovider -rs $ALONE_TESTS \
+          2>&1 | tee "$R/pytest_alone.log" | tail -8
+      fi ;;
     flashmla)  # the wheel must be the FlashMLA found: without it every flashmla case would only skip
       $MV doctor 2>&1 | grep "^flashmla " | tee "$R/flashmla_build.txt"
       if ! grep -q "^flashmla wheel sgl.flash.mla" "$R/flashmla_build.txt"; then
