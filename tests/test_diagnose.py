@@ -14,7 +14,8 @@ from mla_verify.problems.reference import reference_decode
 from mla_verify.run.harness import CaseResult, kernel_rerun, run_case
 
 CATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is not None)
-UNCATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is None)
+# (a fault that shows only past 2^32 elements is judged on a GPU: tests/gpu/test_large_pool.py)
+UNCATALOGED = sorted(name for name, m in MUTANTS.items() if m.diagnosis is None and m.device == "cpu")
 
 
 def _run(name: str) -> CaseResult:

@@ -52,7 +52,6 @@ BAD: dict[str, tuple[str, Callable[[DecodeProblem], DecodeProblem]]] = {
     "int64 block_table": ("block_table", lambda p: _with(p, block_table=p.block_table.long())),
     "int64 seq_lens": ("seq_lens", lambda p: _with(p, seq_lens=p.seq_lens.long())),
     "q_len > seq_len": ("seq_lens", lambda p: _lens_with(p, 0, p.q_len - 1)),
-    "seq_len 0": ("seq_lens", lambda p: _lens_with(p, 1, 0)),
     "seq_len negative": ("seq_lens", lambda p: _lens_with(p, 1, -3)),
     "fewer table rows than batch": ("block_table", lambda p: _with(p, block_table=p.block_table[:-1])),
     "fewer seq_lens than batch": ("seq_lens", lambda p: _with(p, seq_lens=p.seq_lens[:-1])),
@@ -74,10 +73,16 @@ def test_bad_problem_raises_one_line_naming_the_field(problem: DecodeProblem, ca
     assert message.startswith(f"{field}:"), message
 
 
-def test_seq_len_below_one_is_reported_even_for_q_len_one() -> None:
+def test_seq_len_below_zero_is_reported_even_for_q_len_one() -> None:
     p = build_problem(dataclasses.replace(VALID, q_len=1))
-    with pytest.raises(ProblemError, match=r"^seq_lens: .*< 1"):
-        _lens_with(p, 0, 0).validate()
+    with pytest.raises(ProblemError, match=r"^seq_lens: .*< 0"):
+        _lens_with(p, 0, -1).validate()
+
+
+def test_an_empty_request_is_a_problem_whatever_its_query_tokens() -> None:
+    """kv_len 0: its query rows see no key (whether a kernel takes one is its envelope's, Envelope.empty_lse)."""
+    p = build_problem(dataclasses.replace(VALID, seq_lens=(0, 37, 0), q_len=3))
+    assert p.validate() is p and p.seq_lens.tolist() == [0, 37, 0]
 
 
 def test_valid_problem_passes(problem: DecodeProblem) -> None:

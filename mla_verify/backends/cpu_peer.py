@@ -87,8 +87,9 @@ def _merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 CPU_PEER_ENVELOPE = Envelope(
     devices=("cpu", "cuda"), archs=None, page_sizes=None, dims=((512, 64), (256, 64)), heads=None, max_heads=128,
     dtypes=("bf16", "fp8"), q_len=(1, 16), cache_dims=(3, 4), page_strided=True,
-    table_widths=("native", "pad128"), pass_out=(True, False), lse=True, lse_base=LSE_BASE_2,
-    notes="independent split-KV PyTorch implementation (fp32 accumulation, LSE merge); slow on long sequences",
+    table_widths=("native", "pad128"), pass_out=(True, False), lse=True, lse_base=LSE_BASE_2, empty_lse=-math.inf,
+    notes="independent split-KV PyTorch implementation (fp32 accumulation, LSE merge); slow on long sequences; "
+          "a request of kv_len 0 runs no split: out 0, LSE -inf",
 )
 
 

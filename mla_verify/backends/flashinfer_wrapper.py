@@ -30,6 +30,7 @@ Contract 1, and how they are bridged (docs/backends.md has the source references
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -221,9 +222,10 @@ _FA_COMMON: dict[str, Any] = dict(devices=("cuda",), page_sizes=None,
 _POW2_PAGES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 WRAPPER_PATHS: dict[str, WrapperPath] = {
-    "fa2": WrapperPath("fa2", Envelope(archs=None, **_FA_COMMON,
+    "fa2": WrapperPath("fa2", Envelope(archs=None, **_FA_COMMON, empty_lse=-math.inf,
                                        notes="SM80+ and fp8 cache on SM90 only: both refused by FlashInfer's "
-                                             "FA planner (reported by why_not); any page size"),
+                                             "FA planner (reported by why_not); any page size; kv_len 0 taken "
+                                             "(mla.cuh's write_empty_o: out 0, LSE -inf)"),
                        "FlashInfer FA2 MLA decode (BatchMLAPagedAttentionWrapper)", preflight=fa_preflight),
     "fa3": WrapperPath("fa3", Envelope(archs=FA_HOPPER, **_FA_COMMON,
                                        notes="SM90a with CUDA >= 12.3; fp8 cache with bf16 query"),

@@ -19,7 +19,9 @@ Read from FlashMLA's public source at commit 9241ae3 (2026-04-29), ``flash_mla/f
   call: ``get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)`` assigned to the sched meta.
 - ``causal=True``: bottom-right, as ours (FlashMLA's reference masks with ``tril(diagonal=s_k - s_q)``).
 - Returns ``(out [B, q_len, H, 512], lse [B, H, q_len])``; out is allocated by FlashMLA (no ``out=``), LSE is
-  fp32 in natural log; a row with no keys gets out 0 and LSE +inf.
+  fp32 in natural log; a row with no keys gets out 0 and LSE +inf. ``cache_seqlens`` 0 (a request with no key)
+  is taken by the bf16 path (``empty_lse``; upstream's tests/test_flash_mla_dense_decoding.py draws such
+  batches); the fp8 path's legacy kernel is not claimed to take one (its block loop starts at block -1 then).
 - Batch order: FlashMLA splits each sequence's KV over SM partitions by a schedule computed from the whole
   batch's lengths, so reversing the batch moves the split points and the bits (not the values): the backends
   claim batch-order invariance within tolerance only (``Envelope.bit_invariant`` leaves "batch" out).
@@ -60,14 +62,15 @@ NO_ROPE_DIMS = (512, 0)
 FLASHMLA_ENVELOPE = Envelope(
     devices=("cuda",), archs=((9, 0),), page_sizes=(64,), dims=((512, 64), NO_ROPE_DIMS), heads=None,
     max_heads=128, dtypes=("bf16",), q_len=(1, 16), cache_dims=(3,), page_strided=True,
-    table_widths=("native", "pad128"), pass_out=(False,), lse=True, lse_base=math.e,
+    table_widths=("native", "pad128"), pass_out=(False,), lse=True, lse_base=math.e, empty_lse=math.inf,
     bit_invariant=tuple(r for r in RELATIONS if r != BATCH_ORDER),  # the schedule depends on the whole batch
     notes="dense_decode: SM90a, bf16/fp16 (fp16 out is not Contract 1's bf16), page 64, head_size_k 576 or "
           "512, head_dim_v 512, h_q % h_k == 0; one layout [blocks, 64, 1, D] whatever cache_dims says; "
-          "FlashMLA allocates out; natural-log LSE [B, H, q_len]",
+          "FlashMLA allocates out; natural-log LSE [B, H, q_len]; cache_seqlens 0 taken (out 0, LSE +inf: "
+          "upstream's tests draw them, have_zero_seqlen_k)",
 )
 FLASHMLA_FP8_ENVELOPE = FLASHMLA_ENVELOPE.narrowed(
-    dims=((512, 64),), dtypes=("fp8",),
+    dims=((512, 64),), dtypes=("fp8",), empty_lse=None,
     notes="sgl-flash-mla's dense fp8 (fwd_kvcache_mla_fp8): SM90, fp8 e4m3 query and cache [blocks, 64, 1, 576] "
           "with per-tensor descale_q/descale_k (1,) fp32, head_size_k 576 only, bf16 out, natural-log LSE")
 BLOCK_N, BLOCK_M, FIXED_OVERHEAD_BLOCKS = 64, 64, 5  # flash_fwd_mla_metadata.cu / dense_fp8_python_api.cpp

@@ -329,14 +329,14 @@ def _select_backends(kernels: list[str] | None, names: list[str] | None, device:
 
 def _summary_line(result: Any) -> str:
     from ..records.report import count_verdicts, distinct_cases
-    from ..run.harness import SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY
+    from ..run.harness import SKIP_DEVICE, SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY
 
     distinct = distinct_cases(result)
     counts = count_verdicts(c.verdict for c in distinct)
     kinds = Counter(c.skip_kind for c in distinct if c.verdict == "skip")
     skipped = ", ".join(f"{kinds.get(kind, 0)} {what}" for kind, what in (
         (SKIP_ENVELOPE, "outside the envelope"), (SKIP_LIBRARY, "refused by the library for their data"),
-        (SKIP_MEMORY, "out of device memory")) if kinds.get(kind))
+        (SKIP_MEMORY, "out of device memory"), (SKIP_DEVICE, "too large for this device")) if kinds.get(kind))
     extra = " (time limit reached)" if result.timed_out else " (interrupted)" if result.interrupted else ""
     return (f"{result.backend}: {result.verdict.upper()} -- {len(distinct)} distinct cases "
             f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def changed_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,7 @@ def changed_count(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     change of shape or dtype counts as all of them."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return torch.tensor(max(a.numel(), b.numel()), device=a.device)
-    ints = _SAME_WIDTH_INTS[a.element_size()]
+    ints = SAME_WIDTH_INTS[a.element_size()]
     a, b = a.view(ints), b.view(ints)  # a same-width view keeps any strides: no copy of a strided pool
     if a.device.type == "cpu" and torch.equal(a, b):  # a scan that allocates nothing, where `!=` makes a bool
         return torch.zeros((), dtype=torch.int64)    # tensor of the input's size (most inputs are unchanged)

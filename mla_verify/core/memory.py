@@ -82,6 +82,16 @@ def memory_budget(device: torch.device, max_tokens: int, max_rows: int) -> tuple
     return _power_of_two(half / BYTES_PER_TOKEN, max_tokens), _power_of_two(half / BYTES_PER_ROW, max_rows)
 
 
+def spare_bytes(device: torch.device) -> int:
+    """This process's share of the device memory free now: what one case that needs much of a GPU (pages past
+    2^32 elements, problems/metamorphic.py) may take; 0 on a CPU, where such a case is not run (a CPU run that
+    wrote and compared gigabytes would take minutes; a GPU does it in milliseconds)."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free / device_sharers())
+
+
 def _power_of_two(count: float, cap: int) -> int:
     n = int(count)
     return 1 if n < 1 else min(cap, 1 << (n.bit_length() - 1))

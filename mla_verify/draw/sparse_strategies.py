@@ -4,9 +4,10 @@ always asked) and one of the sparse metamorphic relations (problems/sparse.py's 
 
 ``sparse_specs`` shrinks toward the plainest problem: the envelope's first format and scale convention, topk 64,
 one request of one query token and one head, 64-token pages, two used pages and no spare ones, no -1 entries
-(then few, then many, then all), no -1 front, no duplicates, no topk_length, no sink, the default softmax scale,
-normal values and seed 0 -- each field shrinks on its own toward that end, so a shrunk failure names the one
-feature it needs; ``sparse_cases`` adds the layout (toward the envelope's first) and the relation (toward none).
+(then few, then many, then all), no -1 front, no masked leading blocks (then 1, up to 4), no duplicates, no
+topk_length, no sink, the default softmax scale, normal values and seed 0 -- each field shrinks on its own toward
+that end, so a shrunk failure names the one feature it needs; ``sparse_cases`` adds the layout (toward the
+envelope's first) and the relation (toward none).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def sparse_specs(draw: st.DrawFn, env: SparseEnvelope, max_batch: int = 4, max_t
         batch=batch, q_len=draw(st.integers(*env.q_len)), num_heads=draw(st.integers(1, env.max_heads)), topk=topk,
         page_size=draw(st.sampled_from(pages)), used_pages=draw(st.integers(2, 8)),
         extra_pages=draw(st.integers(0, 3)), fmt=fmt, scales=scales, invalid=draw(st.sampled_from(INVALID_SHARES)),
-        invalid_front=draw(st.booleans()), duplicates=draw(st.booleans()), topk_lengths=lengths,
+        invalid_front=draw(st.booleans()), front_blocks=draw(st.integers(1, 4)) if draw(st.booleans()) else 0,
+        duplicates=draw(st.booleans()), topk_lengths=lengths,
         sink=draw(st.sampled_from(("none", "finite", "+inf", "-inf", "mixed") if env.sinks else ("none",))),
         softmax_scale=draw(st.sampled_from(SOFTMAX_SCALES)), values=draw(st.sampled_from(("normal", "extreme"))),
         seed=draw(st.integers(0, 2 ** 16)))
@@ -53,9 +55,11 @@ def sparse_cases(draw: st.DrawFn, env: SparseEnvelope) -> Case:
 
 def sparse_corner_cases(env: SparseEnvelope) -> list[Case]:
     """The envelope's extremes, one feature each: every format and scale convention; all entries -1; a -1 front
-    (a fully masked leading chunk); duplicates; topk_length 0 and cutting valid entries; each kind of sink;
-    q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads -- and each metamorphic
-    relation once: the pool's pages moved (with spare pages), a row's order, its -1 entries moved."""
+    (a fully masked leading chunk); the first 1 and 4 top-k blocks of every row all -1 before valid ones (a kernel
+    with no guard for a leading block of no key makes NaN); duplicates; topk_length 0 and cutting valid entries;
+    each kind of sink; q_len > 1 with slots over many requests; the largest topk; extreme tiles; most heads -- and
+    each metamorphic relation once: the pool's pages moved (with spare pages), a row's order, its -1 entries
+    moved."""
     base = SparseSpec(batch=2, num_heads=min(16, env.max_heads), topk=64, page_size=64,
                       used_pages=3, fmt=env.formats[0], scales=env.scales[0])
     pages = env.page_sizes or PAGE_SIZES
@@ -64,6 +68,8 @@ def sparse_corner_cases(env: SparseEnvelope) -> list[Case]:
     cases += [
         (replace(base, invalid=1.0, sink="finite"), "none"),
         (replace(base, invalid_front=True, topk=min(env.max_topk, 256), used_pages=8), "minus1_moved"),
+        (replace(base, front_blocks=1, topk=128, invalid=0.0), "none"),
+        (replace(base, front_blocks=4, topk=320, used_pages=8), "pages"),
         (replace(base, duplicates=True, used_pages=1, page_size=pages[-1]), "topk_order"),
         (replace(base, sink="mixed", extra_pages=2), "pages"),
         (replace(base, sink="+inf"), "none"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -16,11 +16,12 @@ import torch
 from hypothesis import strategies as st
 
 from ..core.dims import R1_SOFTMAX_SCALE
-from ..core.memory import memory_budget
-from ..problems.envelope import Envelope
+from ..core.memory import memory_budget, spare_bytes
+from ..problems.envelope import SPLIT_SIZES, Envelope
 from ..problems.generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
 from ..problems.layouts import LayoutSpec
-from ..problems.metamorphic import TRANSFORMS
+from ..problems.metamorphic import LARGE_POOL, TRANSFORMS
+from .edges import split_edges
 
 TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
 TILE_EDGE_HEADS = (63, 65, 96, 127, 3, 5, 7, 9, 15, 17, 33)
@@ -46,6 +47,7 @@ class Budget:
     max_rows: int
     cap_tokens: int | None = None
     cap_rows: int | None = None
+    spare_bytes: int = 0  # this process's share of the device's free memory at the start (0 on a CPU)
 
     def shrink_below(self, tokens: int, rows: int) -> None:
         """After an out-of-memory error on a case of ``tokens`` cached tokens and ``rows`` output rows: at most
@@ -82,7 +84,7 @@ def budget_for(device: torch.device | str, max_seq_len: int | None = None) -> Bu
     device = torch.device(device)
     units, batch, longest, tokens, rows = BUDGETS["cuda" if device.type == "cuda" else "cpu"]
     longest = longest if max_seq_len is None else min(longest, max_seq_len)
-    return Budget(units, batch, longest, *memory_budget(device, tokens, rows))
+    return Budget(units, batch, longest, *memory_budget(device, tokens, rows), spare_bytes=spare_bytes(device))
 
 
 def cached_tokens(seq_lens: tuple[int, ...], page: int, extra_pages: int) -> int:
@@ -241,6 +243,8 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) 
     # (after an OOM the clamp may cut a batch to a size outside env.batch_sizes: then its case is a skip)
     lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap, window), page, q_len, heads, extra_pages,
                          budget.cap_tokens, budget.cap_rows)
+    if env.empty_lse is not None:  # no draw otherwise
+        lens = _emptied(draw, lens)
     q_lens = _q_lens(draw, len(lens), q_len) if env.ragged_q and q_len > 1 else None  # no draw otherwise
     softmax = _named_or(draw, NAMED_SOFTMAX, _SOFTMAX)
     q_scale = k_scale = 1.0
@@ -257,6 +261,14 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) 
         shuffle_pages=not draw(_BOOL), table_pad=draw(_ints(0, 4)), pad_fill=_pick(draw, PAD_FILLS),
         values="constant" if probe in ("constant", "both") else _pick(draw, VALUE_KINDS), seed=draw(_SEED),
         window_left=window, q_lens=q_lens)
+
+
+def _emptied(draw: st.DrawFn, lens: tuple[int, ...]) -> tuple[int, ...]:
+    """``lens`` with one request often emptied (kv_len 0, for an envelope that takes them); shrinks to none."""
+    if not draw(_BOOL):
+        return lens
+    i = _pick(draw, range(len(lens)))
+    return lens[:i] + (0,) + lens[i + 1:]
 
 
 def _q_lens(draw: st.DrawFn, batch: int, q_len: int) -> tuple[int, ...] | None:
@@ -285,11 +297,18 @@ def specs(draw: st.DrawFn, env: Envelope, budget: Budget) -> ProblemSpec:
     return _spec(draw, env, budget)
 
 
+# this process's share of free device memory from which pages past 2^32 elements are drawn: a bf16 pool of 8 GiB,
+# its input snapshot, a strided layout's copy and the comparison's mask (the harness asks each case's own need)
+LARGE_POOL_SPARE = 24 << 30
+
+
 @st.composite
 def cases(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) -> Case:
     """A problem, its layout and one metamorphic check (shrinking toward none); ``probes``: half the fp8 cases are
-    FP8_PROBES (shrinking toward the other half)."""
-    return Case(_spec(draw, env, budget, probes), _layout(draw, env), _pick(draw, TRANSFORMS))
+    FP8_PROBES (shrinking toward the other half); pages past 2^32 elements only where the device has
+    LARGE_POOL_SPARE to spare (no draw changes elsewhere)."""
+    relations = TRANSFORMS + (LARGE_POOL,) if budget.spare_bytes >= LARGE_POOL_SPARE else TRANSFORMS
+    return Case(_spec(draw, env, budget, probes), _layout(draw, env), _pick(draw, relations))
 
 
 def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
@@ -358,6 +377,7 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
         out.append(Case(ProblemSpec(seq_lens=edges(small), q_len=q_lo, num_heads=h_few, page_size=small, seed=5,
                                     **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))
     out += _tile_corners(env, budget, allowed, fit, r1, native)
+    out += _shipped_bug_corners(env, budget, (h_few, h_min), q_hi, fit, r1, native)
     out += [
         Case(ProblemSpec(seq_lens=tuple(max(q_lo, i % (large + 1) + 1) for i in range(widest)), q_len=q_lo,
                          num_heads=h_min, page_size=large, seed=6, **r1), full, "batch"),
@@ -389,3 +409,37 @@ def _tile_corners(env: Envelope, budget: Budget, heads: list[int], fit: Callable
                 and env.why_not(spec, layout) is None:
             found.append(Case(spec, layout))
     return found
+
+
+
+def _shipped_bug_corners(env: Envelope, budget: Budget, heads: tuple[int, ...], q_hi: int,
+                         fit: Callable[[list[int]], tuple[int, ...]], r1: dict[str, Any],
+                         layout: LayoutSpec) -> list[Case]:
+    """Where released MLA decode kernels broke (docs/judging.md, "Where kernels broke"), each once: rows whose raw
+    q.k all lie far below, and far above, any finite sentinel, and four keys tied there (generate.py's
+    EXTREME_VALUES); sequences at the edges of 64- to 1024-token splits with several query tokens, so that the
+    first rows see none of the last split; a request with no key where the envelope takes one; and the pages moved
+    past 2^31 and 2^32 elements of the pool (a skip with its reason on a device without the memory)."""
+    page = min(env.page_sizes or DEFAULT_PAGE_SIZES)
+    q = max([n for n in (env.q_lens or range(env.q_len[0], env.q_len[1] + 1)) if n <= 4] or [env.q_len[0]])
+    short = fit([max(q_hi, page + 1), max(q_hi, 2 * page + 3)])  # two requests, a partial page each
+    found = [Case(ProblemSpec(seq_lens=short, q_len=q_hi, num_heads=heads[0], page_size=page, values=values,
+                              seed=30 + i,
+                              **r1), layout, relation)
+             for i, (values, relation) in enumerate((("far_below", "none"), ("far_above", "pages"),
+                                                     ("near_ties", "batch")))]
+    # S + 1 .. S + q - 1 for q tokens (at most 4: rows 0..q-2 see none of the last split; q 1: S + 1, a one-token
+    # split), as many as the budget takes
+    lens = [n for size in SPLIT_SIZES for n in split_edges((size,), q, (1,))
+            if size < n <= min(env.max_seq_len, budget.max_seq_len)]
+    h = next((h for h in heads if sum(lens) * q * h <= budget.units), heads[-1])
+    while lens and (sum(lens) * q * h > budget.units or len(lens) * q * h > budget.max_rows):
+        lens.pop()
+    found.append(Case(ProblemSpec(seq_lens=fit(lens), q_len=q, num_heads=h, page_size=page, seed=33, **r1), layout))
+    if env.empty_lse is not None:  # an empty request between two others, and one alone at the end
+        found.append(Case(ProblemSpec(seq_lens=fit([q_hi + 1, 0, max(q_hi, 2 * page + 3), 0]), q_len=q_hi,
+                                      num_heads=heads[0], page_size=page, seed=34, **r1), layout, "batch"))
+    found.append(Case(ProblemSpec(seq_lens=short, q_len=q_hi, num_heads=heads[0], page_size=page, seed=35, **r1),
+                      replace(layout, page_stride_pad=0), LARGE_POOL))
+    return [c for c in found if c.spec.seq_lens and env.why_not(c.spec, c.layout) is None
+            and c.spec.total_tokens * c.spec.q_len * c.spec.num_heads <= budget.units]

@@ -96,8 +96,8 @@ def lse_slack(baseline: ReferenceResult, ref: ReferenceResult, dtype: str) -> fl
     """FACTOR times the baseline's largest LSE error (natural log) over the judged rows: what the LSE bound adds
     to its fixed part, since a kernel that rounds q*scale to bf16 moves its LSE as much as the baseline does."""
     want = ref.lse.to(torch.float64).to(baseline.lse.device)
-    # a row with no key (a sparse problem's) has LSE +inf in both: no error
-    diff = torch.where(torch.isposinf(want), 0.0, (baseline.lse.to(torch.float64) - want).abs())
+    # a row with no key (an empty request, a sparse row of -1) has the same infinite LSE in both: no error
+    diff = torch.where(torch.isinf(want), 0.0, (baseline.lse.to(torch.float64) - want).abs())
     return FACTOR[dtype] * float(judged_rows(diff, ref).max()) if diff.numel() else 0.0
 
 
@@ -107,10 +107,13 @@ def lse_allowed(want: torch.Tensor, slack: float) -> torch.Tensor:
 
 
 def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, baseline: ReferenceResult,
-            dtype: str, lse_base: float | None, emulation: str = "") -> tuple[ErrorStats | None, list[str]]:
+            dtype: str, lse_base: float | None, emulation: str = "",
+            empty_lse: float | None = None) -> tuple[ErrorStats | None, list[str]]:
     """Judge a kernel's canonical output (and LSE in ``lse_base``) against the reference, with ``baseline``
     (baseline_result) setting the allowance; of a ragged problem only the rows that are query tokens
-    (judged_rows). ``emulation``: the declared arithmetic the baseline emulated, named in the verdict."""
+    (judged_rows). ``emulation``: the declared arithmetic the baseline emulated, named in the verdict. A row with
+    no key is out 0 and its LSE exactly ``empty_lse`` (the backend's convention; None: the reference's own, -inf
+    for a dense problem, +inf for a sparse one)."""
     failures: list[str] = []
     if tuple(out.shape) != tuple(ref.out.shape):
         return None, [f"out has shape {tuple(out.shape)}, expected {tuple(ref.out.shape)}"]
@@ -166,7 +169,8 @@ def compare(out: torch.Tensor, lse: torch.Tensor | None, ref: ReferenceResult, b
         if lse is None:
             failures.append("LSE was requested but not returned")
         else:
-            _compare_lse(lse, ref, lse_base, stats, failures, lse_slack(baseline, ref, dtype), baseline_name)
+            _compare_lse(lse, ref, lse_base, stats, failures, lse_slack(baseline, ref, dtype), empty_lse,
+                         baseline_name)
     return stats, failures
 
 
@@ -181,18 +185,22 @@ def judged_rows(x: torch.Tensor, ref: ReferenceResult, fill: torch.Tensor | floa
 
 
 def _compare_lse(lse: torch.Tensor, ref: ReferenceResult, base: float, stats: ErrorStats,
-                 failures: list[str], slack: float, baseline_name: str = "baseline") -> None:
-    """``slack``: lse_slack, added to the fixed bound."""
+                 failures: list[str], slack: float, empty_lse: float | None,
+                 baseline_name: str = "baseline") -> None:
+    """``slack``: lse_slack, added to the fixed bound; ``empty_lse``: compare()'s."""
     if tuple(lse.shape) != tuple(ref.lse.shape):
         failures.append(f"lse has shape {tuple(lse.shape)}, expected {tuple(ref.lse.shape)} "
                         "(after [B*q_len, H] -> [B, q_len, H])")
         return
     want = ref.lse.to(torch.float64).to(lse.device)
+    empty = torch.isinf(want)  # rows with no key: the LSE must be the backend's convention there, exactly
+    if empty_lse is not None:
+        want = torch.where(empty, empty_lse, want)
     got = judged_rows(lse.detach().to(torch.float64) * math.log(base), ref, want)  # to natural log
-    empty = torch.isposinf(want)  # rows with no key (a sparse problem's): the LSE must be +inf there, exactly
     if bool(empty.any()):
-        if not torch.equal(torch.isposinf(got) & empty, empty):
-            failures.append(f"LSE is not +inf at {int((empty & ~torch.isposinf(got)).sum())} of the "
+        wrong = empty & (got != want)
+        if bool(wrong.any()):
+            failures.append(f"LSE is not {float(want[empty][0]):+g} at {int(wrong.sum())} of the "
                             f"{int(empty.sum())} rows with no valid key")
         got, want = torch.where(empty, 0.0, got), torch.where(empty, 0.0, want)
     allowed = lse_allowed(want, slack)

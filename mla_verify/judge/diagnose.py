@@ -32,6 +32,8 @@ from ..core.errors import ProblemError
 from ..core.memory import is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..problems.arithmetic import DEFAULT, Arithmetic
+from ..problems.envelope import SPLIT_SIZES
+from ..problems.generate import SENTINEL
 from ..problems.layouts import padded_width
 from ..problems.problem import FP8, DecodeProblem
 from ..problems.reference import ReferenceResult, reference_decode
@@ -56,6 +58,7 @@ __all__ = ["CANDIDATES", "CATALOG", "Explanation", "LSE_BASES", "OUT_METRIC", "W
            "explained", "relative_error", "says_more"]
 
 PAGE_SIZES = (16, 32, 64, 128)  # page sizes a kernel may assume instead of reading the cache shape
+FP32_EXP_FLOOR = math.log(torch.finfo(torch.float32).tiny)  # -87.3: exp below it flushes to 0 on a GPU
 R1_MSCALE_SQ = yarn_mscale(R1_YARN_FACTOR) ** 2
 SHORTER = (1, 2)  # tokens cut from every sequence to tell candidates apart (full-page read vs one token more)
 
@@ -152,6 +155,29 @@ def _heads_reversed(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | 
     return None if p.num_heads == 1 else truth.out.flip(2)
 
 
+def _finite_sentinel(value: float) -> Recompute:
+    def recompute(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
+        """``value`` in the rows whose every exp((raw q.k - SENTINEL) x bmm1) underflows fp32: the row's LSE (at
+        least its largest scaled score) lies more than FP32_EXP_FLOOR below SENTINEL x bmm1 (bmm1 > 0 orders raw
+        and scaled scores alike)."""
+        if p.bmm1_scale <= 0:
+            return None
+        lost = truth.lse - SENTINEL * p.bmm1_scale < FP32_EXP_FLOOR
+        return truth.out.masked_fill(lost[..., None], value) if bool(lost.any()) else None
+    return recompute
+
+
+def _empty_split(size: int) -> Recompute:
+    def recompute(p: DecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
+        """NaN in the rows that see no key of their sequence's last ``size``-token split (a causal limit before
+        its start: a split finalised as 0/0)."""
+        lens = p.seq_lens.long()[:, None]
+        last_visible = lens - p.request_q_lens()[:, None] + torch.arange(p.q_len, device=p.device)
+        hidden = (size * ((lens - 1) // size) > last_visible) & (lens > 0)  # [B, q_len]
+        return truth.out.masked_fill(hidden[..., None, None], float("nan")) if bool(hidden.any()) else None
+    return recompute
+
+
 CATALOG: dict[str, tuple[str, Recompute]] = {
     "cache_rope_first": ("reads cache rows as [rope | latent] instead of [latent | rope]", _rope_first(True, False)),
     "query_rope_first": ("reads the query as [rope | latent] instead of [latent | rope]", _rope_first(False, True)),
@@ -179,6 +205,13 @@ CATALOG: dict[str, tuple[str, Recompute]] = {
     "table_row_next": ("sequence b reads block-table row b+1", _table(lambda p: p.block_table.roll(-1, 0))),
     "pages_sorted": ("visits pages in physical order instead of block-table order", _table(_sorted_pages)),
     "heads_reversed": ("writes head h's result to head H-1-h", _heads_reversed),
+    **{f"finite_max_init{suffix}": (f"starts the running max at a finite {SENTINEL:g} (raw q.k): rows whose raw "
+                                    f"scores all lie below it lose every key and come out {said}",
+                                    _finite_sentinel(value))
+       for suffix, said, value in (("", "0", 0.0), ("_nan", "0/0 (NaN)", math.nan))},
+    **{f"empty_split_{s}": (f"finalises a {s}-token split with no visible key as 0/0 (no l == 0 guard): NaN in "
+                            "the rows that see none of their sequence's last split", _empty_split(s))
+       for s in SPLIT_SIZES},
 }
 LSE_BASES = {"lse_natural": (math.e, "returns the LSE in natural log"), "lse_base2": (2.0, "returns the LSE in base 2")}
 

@@ -22,7 +22,7 @@ from ..core.memory import is_out_of_memory, release_cached
 from ..core.tracebacks import exception_line
 from ..problems.packed import FORMATS, FP8, byte_rows, dequantize, next_tile, quantize, truncated_to_pow2
 from ..problems.reference import ReferenceResult
-from ..problems.sparse import SparseDecodeProblem
+from ..problems.sparse import FRONT_BLOCK, SparseDecodeProblem
 from ..problems.sparse_reference import sparse_reference
 from .compare import lse_allowed
 from .explains import (
@@ -85,6 +85,13 @@ def _v_rope(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | No
     return None if shift == 0 else sparse_reference(p, values_from=shift).out
 
 
+def _front_block_nan(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
+    """NaN in the rows whose first FRONT_BLOCK entries are all masked, a row of no valid entry included: on a
+    problem whose only such rows are empty it reads as empty_row_nan does (a case then cannot tell them apart)."""
+    front = p.masked()[..., :FRONT_BLOCK].all(-1)  # [B, q_len]
+    return truth.out.masked_fill(front[:, :, None, None], float("nan")) if bool(front.any()) else None
+
+
 def _empty_nan(p: SparseDecodeProblem, truth: ReferenceResult) -> torch.Tensor | None:
     empty = truth.lse == math.inf
     if not bool(empty.any()):
@@ -102,6 +109,8 @@ CATALOG: dict[str, tuple[str, Recompute]] = {
     "rope_quantized": ("rounds the bf16 rope dims to fp8", _problem(_rope_fp8)),
     "v_rope_dims": ("takes V from the row's last d_v dims (rope included), not its first", _v_rope),
     "empty_row_nan": ("gives NaN (0/0) for a row with no valid entry instead of 0", _empty_nan),
+    "front_block_nan": (f"gives NaN (exp(-inf - -inf)) for a row whose first {FRONT_BLOCK} entries are all masked: "
+                        "no guard for a leading block with no valid entry", _front_block_nan),
 }
 SINK_IN_LSE = "sink_in_lse"  # judged on the LSE: log(exp(lse) + exp(sink)) returned as the LSE
 

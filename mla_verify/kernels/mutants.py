@@ -34,10 +34,11 @@ import torch
 
 from ..backends.flashmla_sparse import FLASHMLA_HEADS, WHEEL_FORMAT_BY_BYTES
 from ..core.dims import R1_SOFTMAX_SCALE
-from ..problems.generate import ProblemSpec
+from ..problems.generate import SENTINEL, ProblemSpec
 from ..problems.layouts import LayoutSpec, canonical_cache, padded_width
+from ..problems.metamorphic import LARGE_POOL
 from ..problems.packed import FORMATS, FP8, dequantize, next_tile, truncated_to_pow2
-from ..problems.sparse import SparseSpec
+from ..problems.sparse import FRONT_BLOCK, SparseSpec
 
 SPLIT_TOKENS = 128  # split-KV chunk length: sequences longer than this are merged across chunks
 
@@ -76,6 +77,11 @@ class Faults:
     scratch_tail: bool = False  # zero the unused tail of each last page in place (an input write)
     skip_aligned: bool = False  # leave out rows unwritten when seq_len is a multiple of the page size
     noise: float = 0.0  # relative random noise on the fp32 accumulator (a nondeterministic kernel)
+    max_init: float = -math.inf  # where each split's running max starts, in raw q.k (before bmm1_scale)
+    guard_empty_split: bool = True  # a split with no visible key (l == 0) finalised as 0, not 0/0
+    # the bits an element offset (page id x page stride + slot x row stride) is computed in; None: the pool is
+    # indexed as a tensor, which never wraps
+    offset_bits: int | None = None
 
 
 class FaultyKernel:
@@ -99,7 +105,7 @@ class FaultyKernel:
         L, R = kv_lora_rank, qk_rope_head_dim
         page = f.page_size or kv_cache.shape[f.page_dim]
         cache = canonical_cache(kv_cache)
-        rows = cache.reshape(-1, D)  # token rows; row id = page id * page + slot
+        rows = cache.reshape(-1, D) if f.offset_bits is None else None  # token rows; row id = page id * page + slot
         flat_table = block_tables.reshape(-1)
         stride = f.table_stride(block_tables.shape[1], page)
         scale = bmm1_scale if f.softmax_scale is None else f.softmax_scale
@@ -117,8 +123,11 @@ class FaultyKernel:
             pages = torch.stack([flat_table[starts[b]:starts[b] + count] for b in idx]).long()
             if f.sort_pages:
                 pages = pages.sort(dim=1).values
-            slots = (pages[..., None] * page + torch.arange(page, device=query.device)).reshape(len(idx), -1)
-            kv = rows[slots].float()  # [b, T, D]; IndexError on a page id outside the pool
+            slot_ids = torch.arange(page, device=query.device)
+            if rows is None:  # as a GPU kernel addresses its pool: element offsets from the pages' strides
+                kv = _read_by_offset(cache, pages, slot_ids, f.offset_bits or 64).float()
+            else:
+                kv = rows[(pages[..., None] * page + slot_ids).reshape(len(idx), -1)].float()  # IndexError past it
             if f.rope_first:
                 kv = kv.roll(-R, dims=-1)  # what the kernel takes for [latent | rope]
             n = torch.tensor([lens[b] for b in idx], device=query.device)
@@ -139,10 +148,21 @@ class FaultyKernel:
         return (target, lse.reshape(B * Q, H)) if return_lse else target
 
 
+def _read_by_offset(cache: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, bits: int) -> torch.Tensor:
+    """[b, T, D] rows of ``cache`` [P, page, D] (any strides: a view of a larger pool) for the page ids ``pages``
+    [b, n], read at element offsets page id x page stride + slot x row stride computed modulo 2^bits, as a kernel
+    that keeps them in a ``bits``-bit integer does (past 2^bits elements it reads another page)."""
+    storage = cache.untyped_storage().nbytes() // cache.element_size()
+    flat = cache.as_strided((storage - cache.storage_offset(),), (1,))
+    starts = (pages[..., None] * cache.stride(0) + slots * cache.stride(1)) % (1 << bits)
+    return flat[starts.reshape(pages.shape[0], -1)[..., None] + torch.arange(cache.shape[-1], device=cache.device)]
+
+
 def _attend(q: torch.Tensor, kv: torch.Tensor, n: torch.Tensor, scale: float, L: int,
             f: Faults) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV attention of q [b, Q, H, D] over kv [b, T, D], the first n[i] rows valid in sequence i:
-    (out [b, Q, H, L], natural-log lse [b, Q, H])."""
+    (out [b, Q, H, L], natural-log lse [b, Q, H]). As flash-decoding does it: each split's partial output is
+    normalised by its own sum and the splits are merged by their LSE."""
     b, Q, H, D = q.shape
     T = kv.shape[1]
     pos = torch.arange(T, device=q.device)
@@ -156,15 +176,19 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, n: torch.Tensor, scale: float, L:
     pad = chunks * SPLIT_TOKENS - T
     scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(b, Q * H, chunks, SPLIT_TOKENS)
     v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(b, chunks, SPLIT_TOKENS, L)
-    m = scores.amax(-1)  # [b, QH, chunks]; -inf for a fully masked chunk
+    m = scores.amax(-1)  # [b, QH, chunks]; -inf for a chunk with no visible key
+    if f.max_init != -math.inf:  # the running max starts at the sentinel (raw q.k, as scale > 0 orders it)
+        m = m.clamp_min(f.max_init * scale)
     e = torch.exp(scores - torch.where(m == float("-inf"), 0.0, m)[..., None])
-    part_l = e.sum(-1)
+    part_l = e.sum(-1)  # 0 for a chunk with no visible key
     part_o = torch.einsum("bxcj,bcjl->bxcl", e, v)
+    o_split = part_o / (torch.where(part_l == 0, 1.0, part_l) if f.guard_empty_split else part_l)[..., None]
     top = m.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)
-    w = torch.exp(m - top) if f.rescale_merge else torch.ones_like(m)
-    total = (part_l * w).sum(-1)  # [b, QH]
-    o = (part_o * w[..., None]).sum(2) / total[..., None]
+    # merged by LSE: weight exp(m + log l - top); unscaled, each split's l alone (its own max forgotten)
+    w = part_l * torch.exp(m - top) if f.rescale_merge else part_l
+    total = w.sum(-1)  # [b, QH]; 0 for a row with no key left (0/0: NaN, as kernels without a guard make it)
+    o = (o_split * w[..., None]).sum(2) / total[..., None]
     return o.view(b, Q, H, L), (top[..., 0] + torch.log(total)).view(b, Q, H)
 
 
@@ -177,12 +201,16 @@ class Mutant:
     diagnosis: str | None  # the diagnose.py catalog entry expected to explain it, None if outside the catalog
     trigger: ProblemSpec  # a small problem that exposes the fault (and that diagnosis can explain)
     trigger_layout: LayoutSpec = LayoutSpec()
+    trigger_transform: str = "none"  # the metamorphic relation its trigger needs
+    # where premerge catches it: "cuda" for a fault that shows only past 2^32 elements of the pool (a GPU with the
+    # memory: problems/metamorphic.py's LARGE_POOL); every other mutant is caught on a CPU
+    device: str = "cpu"
 
 
 def _mutant(name: str, bug_class: str, description: str, diagnosis: str | None, trigger: ProblemSpec,
-            trigger_layout: LayoutSpec = LayoutSpec(), **faults: Any) -> Mutant:
+            trigger_layout: LayoutSpec = LayoutSpec(), trigger_transform: str = "none", **faults: Any) -> Mutant:
     return Mutant(name, description, bug_class, FaultyKernel(Faults(**faults), name, description), diagnosis, trigger,
-                  trigger_layout)
+                  trigger_layout, trigger_transform, "cuda" if trigger_transform == LARGE_POOL else "cpu")
 
 
 correct_kernel = FaultyKernel(Faults())
@@ -248,6 +276,17 @@ _ALL = [
             "unwritten", None, replace(_BASE, seq_lens=(64, 37)), skip_aligned=True),
     _mutant("nondeterministic", "determinism", "adds ~1/4 bf16 ulp of random noise (like racing atomics)", None,
             _BASE, noise=2.0 ** -10),
+    # rows whose raw q.k all lie near -1.5e5 and beyond (generate.py's far_below values)
+    _mutant("finite_sentinel", "softmax sentinel", f"starts each split's running max at a finite {SENTINEL:g} over "
+            "the raw q.k: a row whose raw scores all lie below it loses every key (0/0)", "finite_max_init_nan",
+            replace(_BASE, values="far_below"), max_init=SENTINEL),
+    # 129 tokens, 2 query tokens: query token 0 sees none of the second 128-token split
+    _mutant("empty_split_unguarded", "split-KV", "finalises each split as its sum of p.v over its sum of p with no "
+            "l == 0 guard: a split whose keys are all hidden from a query row gives 0/0", f"empty_split_{SPLIT_TOKENS}",
+            replace(_BASE, seq_lens=(129, 37), q_len=2), guard_empty_split=False),
+    _mutant("offset_32bit", "page offsets", "computes element offsets (page id x page stride) in 32 bits: past 2^32 "
+            "elements of the pool it reads another page", None, _BASE, trigger_transform=LARGE_POOL,
+            offset_bits=32),
 ]
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _ALL}
 
@@ -269,6 +308,7 @@ class SparseFaults:
     rope_fp8: bool = False  # the bf16 rope dims rounded to fp8 as if quantized
     v_offset: int = 0  # V read from dims [v_offset, v_offset + 512) (64: the rope dims included)
     empty_rows_zero: bool = True  # a row with no valid entry gives 0 and +inf (else 0/0: NaN)
+    block_guard: bool = True  # a top-k block met while every entry so far is masked subtracts 0, not -inf
 
 
 def _refuse(ok: bool, message: str) -> None:
@@ -325,11 +365,9 @@ class FaultySparseKernel:
         kv = flat[slots].masked_fill(masked[..., None], 0.0)  # [B, Q, K, D]; masked rows zeroed, as SM90 does
         scores = torch.einsum("bqhd,bqkd->bqhk", q.float(), kv) * scale
         scores = scores.masked_fill(masked[:, :, None, :], float("-inf"))
-        top = scores.amax(-1, keepdim=True)
-        e = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))
-        total = e.sum(-1)
-        out = torch.einsum("bqhk,bqkd->bqhd", e, kv[..., f.v_offset:f.v_offset + 512]) / total[..., None]
-        lse = top[..., 0] + torch.log(total)
+        top, total, acc = _blockwise_softmax(scores, kv[..., f.v_offset:f.v_offset + 512], f.block_guard)
+        out = acc / total[..., None]
+        lse = top + torch.log(total)
         if sink is not None:
             out = out * torch.sigmoid(lse - sink)[..., None]
             if f.sink_in_lse:
@@ -338,6 +376,26 @@ class FaultySparseKernel:
             out = out.masked_fill((total == 0)[..., None], 0.0)
             lse = lse.masked_fill(total == 0, float("inf"))
         return out.to(torch.bfloat16), lse.transpose(1, 2)
+
+
+def _blockwise_softmax(scores: torch.Tensor, values: torch.Tensor,
+                       guard: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum of exp(s - max), sum of exp(s - max) v) of each row of ``scores`` [B, Q, H, K] (-inf: masked) over
+    ``values`` [B, Q, K, d], as FlashMLA's SM90 loop makes them: FRONT_BLOCK entries at a time, the running sums
+    rescaled by exp(old max - new max). ``guard``: a block met while the max is still -inf (every entry so far
+    masked) subtracts 0, not -inf; without it exp(-inf - -inf) makes the row NaN."""
+    m = torch.full(scores.shape[:-1], float("-inf"), dtype=scores.dtype, device=scores.device)
+    total = torch.zeros_like(m)
+    acc = torch.zeros(scores.shape[:-1] + values.shape[-1:], dtype=scores.dtype, device=scores.device)
+    for start in range(0, scores.shape[-1], FRONT_BLOCK):
+        s = scores[..., start:start + FRONT_BLOCK]
+        m_new = torch.maximum(m, s.amax(-1))
+        at = torch.where(m_new == float("-inf"), 0.0, m_new) if guard else m_new
+        alpha, p = torch.exp(m - at), torch.exp(s - at[..., None])
+        total = total * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bqhk,bqkd->bqhd", p, values[:, :, start:start + FRONT_BLOCK])
+        m = m_new
+    return m, total, acc
 
 
 @dataclass(frozen=True)
@@ -355,6 +413,10 @@ class SparseMutant:
 
 # Triggers: 64 heads (no padding to hide behind), topk 64 over 4 pages of 64; variations add what a fault needs.
 _SPARSE_BASE = SparseSpec(batch=2, num_heads=64, topk=64, page_size=64, used_pages=4, invalid=0.2)
+
+# request 0 empty (topk_length 0), request 1's first 64 entries -1 before 64 valid ones: the two NaN faults of a
+# row part here (an empty row alone cannot tell them apart)
+_EMPTY_AND_FRONT = replace(_SPARSE_BASE, fmt="V4", topk=128, front_blocks=1, invalid=0.0, topk_lengths=(0, 128))
 
 _ALL_SPARSE = [
     # 2 used pages of 2 slots among 64: seed 10 (found by search) puts both in the pool's first half, so
@@ -380,8 +442,10 @@ _ALL_SPARSE = [
     SparseMutant("v_rope_dims", "takes V from dims 64..575 (the rope dims included) instead of 0..511",
                  SparseFaults(v_offset=64), "v_rope_dims", _SPARSE_BASE),
     SparseMutant("empty_row_nan", "divides 0 by 0 for a row with no valid entry (NaN, not 0)",
-                 SparseFaults(empty_rows_zero=False), "empty_row_nan",
-                 replace(_SPARSE_BASE, fmt="V4", topk_lengths=(0, 64))),
+                 SparseFaults(empty_rows_zero=False), "empty_row_nan", _EMPTY_AND_FRONT),
+    SparseMutant("front_block_unguarded", "subtracts the running max -inf from a fully masked leading block "
+                 "(no guard): exp(-inf - -inf) makes the row NaN", SparseFaults(block_guard=False),
+                 "front_block_nan", _EMPTY_AND_FRONT),
 ]
 SPARSE_MUTANTS: dict[str, SparseMutant] = {m.name: m for m in _ALL_SPARSE}
 correct_sparse_kernel = FaultySparseKernel()

@@ -35,11 +35,13 @@ class Relation:
     ``apply(problem, seed)`` gives the changed problem and the map of its output back to the original's order;
     ``bits``: a deterministic kernel gives the very same bits (the change moves data, not arithmetic) -- judged so
     where its backend claims them (``Backend.claims_bits``) --, else its output is judged by the tolerance model
-    against the original problem's reference."""
+    against the original problem's reference. ``why_not(spec, layout, device)``: why this device cannot check it
+    (the memory it needs), before anything runs; None: it can."""
 
     description: str
     apply: Callable[[Any, int], tuple[Any, Unmap]]
     bits: bool = True
+    why_not: Callable[[Any, LayoutSpec, torch.device], str | None] | None = None
 
 
 class ProblemKind(ABC):
@@ -106,13 +108,14 @@ class ProblemKind(ABC):
         the baseline in the kernel's declared ``arithmetic``); never raises."""
 
     def judge_output(self, problem: Any, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float | None,
-                     arithmetic: Arithmetic = DEFAULT) -> tuple[ErrorStats | None, list[str]]:
+                     arithmetic: Arithmetic = DEFAULT,
+                     empty_lse: float | None = None) -> tuple[ErrorStats | None, list[str]]:
         """(error statistics, failures: none when it passes) of a kernel's canonical output on ``problem``, as
         the harness judges it (``lse`` in ``lse_base``; None: not judged; ``arithmetic``: the kernel's declared
-        one, which the baseline emulates)."""
+        one, which the baseline emulates; ``empty_lse``: compare()'s)."""
         dtype = self.dtype(problem)
         return compare(out, lse, self.reference(problem), self.baseline(problem, dtype, arithmetic), dtype, lse_base,
-                       arithmetic.emulation)
+                       arithmetic.emulation, empty_lse)
 
     def transform(self, problem: Any, name: str, seed: int) -> tuple[Any, Unmap]:
         """``problem`` under relation ``name``."""

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from ..core.memory import FIXED_BYTES, spare_bytes
 from ..draw import strategies
 from ..judge.compare import baseline_result
 from ..judge.diagnose import diagnose_safely
 from ..problems import metamorphic
 from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.envelope import DENSE, Envelope
-from ..problems.generate import ProblemSpec, build_problem, dtype_name
+from ..problems.generate import DTYPES, ProblemSpec, build_problem, dtype_name
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
 from ..problems.reference import ReferenceResult, fast_matmul_mode, reference_decode
@@ -37,15 +38,34 @@ FEATURES = len(PLAIN_SPEC) + len(PLAIN_LAYOUT) + 1  # and the metamorphic relati
 
 
 def _relation(name: str) -> Relation:
-    """A deterministic kernel keeps its bits under each (judged so where its backend claims them)."""
-    return Relation(metamorphic.DESCRIPTIONS[name], lambda p, seed: metamorphic.transform(p, name, seed))
+    """A deterministic kernel keeps its bits under each (judged so where its backend claims them); the large pool's
+    is checked only where the device has its memory."""
+    return Relation(metamorphic.DESCRIPTIONS[name], lambda p, seed: metamorphic.transform(p, name, seed),
+                    why_not=large_pool_reason if name == metamorphic.LARGE_POOL else None)
+
+
+def large_pool_reason(spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
+    """Why ``device`` cannot check ``spec``'s pages past 2^32 elements: the pool (4-8 GiB), its input snapshot, a
+    strided layout's copy and the bit comparison's mask must fit this process's share of its free memory."""
+    stride = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+    pages = strategies.cached_tokens(spec.seq_lens, spec.page_size, spec.extra_pages) // spec.page_size
+    elements = metamorphic.large_pool_elements(pages, stride)
+    pool = elements * DTYPES[spec.dtype].itemsize
+    need = pool * (2 + (layout.page_stride_pad > 0)) + elements + FIXED_BYTES  # + one bool per element compared
+    spare = spare_bytes(torch.device(device))
+    if spare >= need:
+        return None
+    where = "a CPU run does not place them" if torch.device(device).type != "cuda" else \
+        f"this process's share of the free memory is {spare / 2**30:.1f} GiB"
+    return (f"pages past 2^32 elements need a {pool / 2**30:.1f} GiB pool, {need / 2**30:.1f} GiB with its copies "
+            f"on the device; {where}")
 
 
 class DenseKind(ProblemKind):
     name = DENSE
     spec_type = ProblemSpec
     problem_type = DecodeProblem
-    relations = {name: _relation(name) for name in metamorphic.TRANSFORMS if name != "none"}
+    relations = {name: _relation(name) for name in metamorphic.RELATIONS}
     features = FEATURES
 
     def build(self, spec: ProblemSpec, device: torch.device | str) -> DecodeProblem:

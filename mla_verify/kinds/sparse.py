@@ -7,8 +7,9 @@ judge/sparse_catalog.py's. The tolerance model is bf16's: the reference holds th
 packed cache dequantizes to (problems/packed.py), so an FP8 cache adds no error of its own.
 
 Smaller (run/simplify.py): keep half the batch (a corner case of two requests becomes one), one head or half
-of them, one query token, half the top-k, half the used pages. Plainer: no spare pages, no -1 entries, no -1
-front, no duplicates, no topk_length, no sink, the default softmax scale, normal values, the envelope's first
+of them, one query token, fewer masked leading blocks, half the top-k (keeping a valid entry after the masked
+blocks), half the used pages. Plainer: no spare pages, no -1 entries, no -1 front, no masked blocks, no
+duplicates, no topk_length, no sink, the default softmax scale, normal values, the envelope's first
 format and scale convention, out as the envelope's first way, no metamorphic relation.
 """
 from __future__ import annotations
@@ -27,12 +28,12 @@ from ..problems import sparse
 from ..problems.arithmetic import DEFAULT, Arithmetic
 from ..problems.envelope import SPARSE, SparseEnvelope
 from ..problems.reference import ReferenceResult
-from ..problems.sparse import SparseDecodeProblem, SparseSpec, build_sparse_problem
+from ..problems.sparse import FRONT_BLOCK, SparseDecodeProblem, SparseSpec, build_sparse_problem
 from ..problems.sparse_reference import sparse_baseline, sparse_reference
 from .base import Case, ProblemKind, Relation, Rerun
 
 # each field's plain value (plainer); the format and scale convention are the envelope's first
-PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, invalid=0.0, invalid_front=False, duplicates=False,
+PLAIN_SPEC: dict[str, Any] = dict(extra_pages=0, invalid=0.0, invalid_front=False, front_blocks=0, duplicates=False,
                                   topk_lengths=None, sink="none", softmax_scale=None, values="normal")
 
 
@@ -100,8 +101,12 @@ class SparseKind(ProblemKind):
             yield f"heads {heads}", replace(case, spec=replace(s, num_heads=heads))
         if env.q_len[0] < s.q_len:
             yield f"q_len {env.q_len[0]}", replace(case, spec=replace(s, q_len=env.q_len[0]))
+        if s.front_blocks > 1:
+            yield "front blocks 1", replace(case, spec=replace(s, front_blocks=1))
         m = env.topk_multiple
-        for topk in sorted({k for k in (m, s.topk // 2 // m * m) if m <= k < s.topk}):
+        front = FRONT_BLOCK * s.front_blocks  # a row with masked leading blocks keeps a valid entry after them
+        for topk in sorted({k for k in (m, s.topk // 2 // m * m, front + m)
+                            if m <= k < s.topk and (k > front or s.topk <= front)}):
             lengths = None if s.topk_lengths is None else tuple(min(n, topk) for n in s.topk_lengths)
             yield f"topk {topk}", replace(case, spec=replace(s, topk=topk, topk_lengths=lengths))
         if s.used_pages > 1:

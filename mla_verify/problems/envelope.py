@@ -6,6 +6,7 @@ kind of problem a backend is judged on (mla_verify/kinds).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -15,6 +16,9 @@ from .metamorphic import RELATIONS
 from .sparse import SPARSE_TRANSFORMS
 
 LSE_BASE_2 = 2.0
+# the split and tile sizes (KV tokens) MLA decode kernels commonly cut a sequence into: premerge draws their edges
+# (draw/strategies.py) and the diagnosis names an empty split of each (judge/diagnose.py)
+SPLIT_SIZES = (64, 128, 256, 512, 1024)
 DENSE, SPARSE = "dense", "sparse"  # the problem kinds (mla_verify/kinds), as envelopes and records name them
 ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sentence
 
@@ -48,6 +52,9 @@ class Envelope:
     lse_base: float = LSE_BASE_2
     max_batch: int = 1024
     max_seq_len: int = 1 << 17
+    # requests with no KV token (kv_len 0) taken, and the LSE their query rows get -- -inf, the log of an empty
+    # sum (FlashInfer fa2), or +inf (FlashMLA) -- besides out 0; None: not taken (Contract 1's default)
+    empty_lse: float | None = None
     notes: str = ""
     # the metamorphic relations (metamorphic.RELATIONS) whose output the backend claims bit for bit; the others
     # are judged by the tolerance model against the same reference (a kernel whose split-KV schedule depends on
@@ -92,6 +99,7 @@ class Envelope:
             (self.lse or not layout.return_lse, "returning LSE"),
             (spec.batch <= self.max_batch, f"batch {spec.batch} (max {self.max_batch})"),
             (max(spec.seq_lens) <= self.max_seq_len, f"seq_len {max(spec.seq_lens)} (max {self.max_seq_len})"),
+            (self.empty_lse is not None or min(spec.seq_lens) > 0, "a request with kv_len 0"),
         ]
         bad = [what for ok, what in checks if not ok]
         return (f"{ENVELOPE_PREFIX}: " + "; ".join(bad)) if bad else None
@@ -118,6 +126,7 @@ class SparseEnvelope:
     sinks: bool = True
     pass_out: tuple[bool, ...] = (False,)  # whether the kernel is handed an ``out`` buffer (True), allocates (False)
     lse_base: float = 2.718281828459045
+    empty_lse: float = math.inf  # the LSE of a row with no valid entry (out 0): +inf, FlashMLA's and trtllm-gen's
     notes: str = ""
     # the sparse relations (sparse.SPARSE_TRANSFORMS) whose output the backend claims bit for bit, as an
     # Envelope's; a relation that reorders a row's sum is judged within tolerance whatever is claimed

@@ -4,7 +4,8 @@ The canonical form every backend layout is derived from:
   query       [B, q_len, H, kv_lora_rank + qk_rope_head_dim]
   kv_cache    [P, page_size, kv_lora_rank + qk_rope_head_dim]   one latent row per token: kv_c then k_pe
   block_table [B, W] int32; row b's first ceil(seq_len/page) entries are the pages of sequence b
-  seq_lens    [B] int32, KV length *including* the q_len new tokens (token i sits at seq_len - q_len + i)
+  seq_lens    [B] int32, KV length *including* the q_len new tokens (token i sits at seq_len - q_len + i); 0: an
+              empty request, whose query rows see no key (out 0, LSE -inf; Envelope.empty_lse says who takes one)
   q_lens      None (every request has q_len query tokens) or per-request query lengths, each 1..q_len (the
               query's padded length): request b's tokens are its first q_lens[b] query rows, token i sits at
               seq_len - q_lens[b] + i, and the rows after them are padding that no result depends on (FlashInfer's
@@ -127,9 +128,10 @@ class DecodeProblem(QueryShape):
             _expect(t.device == q.device, name, f"is on {t.device} but query is on {q.device}")
         lens = sl.tolist()
         capacity = bt.shape[1] * self.page_size
-        for i, n in enumerate(lens):
-            _expect(n >= 1, "seq_lens", f"seq_lens[{i}] = {n} < 1")
-            _expect(n >= self.q_len, "seq_lens", f"seq_lens[{i}] = {n} is shorter than q_len = {self.q_len}")
+        for i, n in enumerate(lens):  # 0: a request with no key (whether a kernel takes one is its envelope's)
+            _expect(n >= 0, "seq_lens", f"seq_lens[{i}] = {n} < 0")
+            _expect(n == 0 or n >= self.q_len, "seq_lens",
+                    f"seq_lens[{i}] = {n} is shorter than q_len = {self.q_len}")
             _expect(n <= capacity, "seq_lens", f"seq_lens[{i}] = {n} exceeds what a block-table row addresses "
                     f"({bt.shape[1]} pages x {self.page_size} = {capacity})")
         bad = self.used_entries() & ((bt < 0) | (bt >= self.num_pages))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -104,6 +104,8 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     # is queued without waiting on the GPU.
     seq_lens, longest_first = torch.sort(p.seq_lens, descending=True, stable=True)
     lens = seq_lens.tolist()
+    if lens[-1] == 0:
+        return _with_empty_requests(p, precision, chunk_bytes, p_dtype, matmul, attend)
     if chunk_bytes is None:
         chunk_bytes = _default_chunk_bytes(p, sum(lens))
     # per gathered token: the gathered row, its converted copy (fp8 to bf16, or to ``precision``), and
@@ -163,6 +165,38 @@ def reference_decode(problem: DecodeProblem, precision: torch.dtype = torch.floa
     def unsorted(x: torch.Tensor) -> torch.Tensor:  # x may be a view of the halves' buffer: a new, dense tensor
         return torch.empty(x.shape, dtype=x.dtype, device=x.device).index_copy_(0, longest_first, x)
     return ReferenceResult(unsorted(out).view(B, Q, H, L), unsorted(lse).view(B, Q, H), p.valid_rows())
+
+
+def _with_empty_requests(p: DecodeProblem, precision: torch.dtype, chunk_bytes: int | None,
+                         p_dtype: torch.dtype | None, matmul: str, attend: GroupAttention | None) -> ReferenceResult:
+    """The reference of a problem with requests of no key (seq_len 0): their query rows are out 0 and LSE -inf,
+    the log of an empty sum; the other requests are computed as a problem of their own -- which ``attend`` is
+    handed as the requests of ``p`` they are (a declared split schedule is the whole batch's)."""
+    B, Q, H, _ = p.query.shape
+    dtype = torch.float32 if matmul == "bf16-split" else precision
+    out = torch.zeros((B, Q, H, p.dims.kv_lora_rank), dtype=dtype, device=p.device)
+    lse = torch.full((B, Q, H), float("-inf"), dtype=dtype, device=p.device)
+    keep = (p.seq_lens > 0).nonzero().squeeze(1)
+    if keep.numel():
+        kept = keep.tolist()
+        sub = replace(p, query=p.query[keep], block_table=p.block_table[keep], seq_lens=p.seq_lens[keep],
+                      q_lens=None if p.q_lens is None else tuple(p.q_lens[i] for i in kept))
+        result = reference_decode(sub, precision, chunk_bytes, p_dtype, matmul,
+                                  None if attend is None else _KeptRequests(attend, p, keep))
+        out[keep], lse[keep] = result.out, result.lse
+    return ReferenceResult(out, lse, p.valid_rows())
+
+
+class _KeptRequests:
+    """``attend`` on a problem of some of ``whole``'s requests (``kept``: their indices in it), handed the
+    requests of ``whole`` they are."""
+
+    def __init__(self, attend: GroupAttention, whole: DecodeProblem, kept: torch.Tensor):
+        self.attend, self.whole, self.kept = attend, whole, kept
+
+    def __call__(self, p: DecodeProblem, requests: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                 hidden: torch.Tensor, into: tuple[torch.Tensor, ...]) -> None:
+        self.attend(self.whole, self.kept[requests], q, kv, hidden, into)
 
 
 def _groups(lens: list[int], page: int, bytes_per_token: int, chunk_bytes: int):

@@ -36,6 +36,7 @@ from .packed import FORMATS, SCALE_CONVENTIONS, dequantize, packed_format, quant
 from .problem import QueryShape
 
 D_V = 512
+FRONT_BLOCK = 64  # top-k entries a sparse kernel's softmax loop takes at once (FlashMLA SM90's B_TOPK)
 UNPACKED = "bf16"  # a plain bf16 cache of 576-value rows (no packed format)
 SPARSE_FORMATS = (UNPACKED, *FORMATS)
 SINKS = ("none", "finite", "+inf", "-inf", "mixed")
@@ -61,6 +62,7 @@ _JSON_FIELDS: dict[str, FieldCheck] = {
     "values": (lambda v: v in SPARSE_VALUES, f"one of {list(SPARSE_VALUES)}"),
     "invalid": (is_number, "a number"),
     **{n: (lambda v: isinstance(v, bool), "true or false") for n in ("invalid_front", "duplicates")},
+    "front_blocks": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "topk_lengths": (lambda v: v is None or is_ints(v), "null or a non-empty list of integers"),
     "softmax_scale": (lambda v: v is None or is_number(v), "null or a number"),
 }
@@ -81,6 +83,9 @@ class SparseSpec:
     scales: str = "pow2"  # packed formats' scale convention (problems/packed.py)
     invalid: float = 0.05  # the share of entries that are -1
     invalid_front: bool = False  # the first third of every row is -1 (a fully masked leading chunk)
+    # the first front_blocks x FRONT_BLOCK entries of every row are -1: whole leading top-k blocks masked before
+    # the valid entries (a kernel's first blocks with no key; FlashMLA's SM90 loop takes 64 entries a block)
+    front_blocks: int = 0
     duplicates: bool = False  # slots drawn with replacement (else distinct within a row, -1 where they run out)
     topk_lengths: tuple[int, ...] | None = None  # per request: entries at or past it are masked
     sink: str = "none"  # the attention sinks (SINKS): none, finite values, +inf, -inf, or a mix of the three
@@ -106,7 +111,8 @@ class SparseSpec:
     def from_json(cls, d: Any) -> SparseSpec:
         """The spec ``to_json`` wrote, every field of its type (a missing seed would replay another problem);
         else a ProblemError naming the field. Ranges are checked when the problem is built."""
-        d = checked_fields(d, _JSON_FIELDS, "sparse spec", required=True)
+        d = checked_fields({"front_blocks": 0, **d} if isinstance(d, dict) else d, _JSON_FIELDS, "sparse spec",
+                           required=True)  # a record from before front_blocks has none
         lengths = d.get("topk_lengths")
         return cls(**{**d, "topk_lengths": None if lengths is None else tuple(lengths)})
 
@@ -117,6 +123,7 @@ class SparseSpec:
         return (f"sparse {self.fmt}/{self.scales} B={self.batch} q_len={self.q_len} H={self.num_heads} "
                 f"topk={self.topk} page={self.page_size} pages={self.used_pages}+{self.extra_pages} "
                 f"invalid={self.invalid:g}{' front' if self.invalid_front else ''}"
+                f"{f' front={self.front_blocks}x{FRONT_BLOCK}' if self.front_blocks else ''}"
                 f"{' dup' if self.duplicates else ''} topk_lengths={self.topk_lengths} sink={self.sink} "
                 f"scale={self.scale:.6g} values={self.values} seed={self.seed}")
 
@@ -197,7 +204,8 @@ def build_sparse_problem(spec: SparseSpec, device: torch.device | str = "cpu") -
             or s.scales not in SCALE_CONVENTIONS:
         raise ProblemError(f"sparse spec: fmt/sink/values/scales {s.fmt!r}/{s.sink!r}/{s.values!r}/{s.scales!r} "
                            f"not in {SPARSE_FORMATS}/{SINKS}/{SPARSE_VALUES}/{SCALE_CONVENTIONS}")
-    if min(s.batch, s.q_len, s.num_heads, s.topk, s.page_size, s.used_pages) < 1 or s.extra_pages < 0:
+    if min(s.batch, s.q_len, s.num_heads, s.topk, s.page_size, s.used_pages) < 1 or min(s.extra_pages,
+                                                                                         s.front_blocks) < 0:
         raise ProblemError(f"sparse spec: sizes must be >= 1 (extra_pages >= 0): {s.describe()}")
     if s.topk_lengths is not None and (len(s.topk_lengths) != s.batch or min(s.topk_lengths) < 0):
         raise ProblemError(f"topk_lengths: {s.topk_lengths} is not {s.batch} lengths >= 0")
@@ -230,14 +238,18 @@ def build_sparse_problem(spec: SparseSpec, device: torch.device | str = "cpu") -
 
 
 def _indices(s: SparseSpec, used_slots: torch.Tensor, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[B, q_len, topk] int32 slots of ``used_slots``, with -1 where the spec asks for it."""
+    """[B, q_len, topk] int32 slots of ``used_slots``, with -1 where the spec asks for it: a row's masked front
+    blocks first, then its ``topk`` less those entries drawn as a row of that length is."""
     rows, n = s.batch * s.q_len, used_slots.numel()
+    front = min(s.topk, s.front_blocks * FRONT_BLOCK)
+    topk = s.topk - front
     if s.duplicates:
-        picks = torch.randint(0, n, (rows, s.topk), generator=gen, device=device)
+        picks = torch.randint(0, n, (rows, topk), generator=gen, device=device)
     else:
         keys = torch.rand((rows, n), generator=gen, device=device)
-        picks = keys.argsort(-1)[:, :min(n, s.topk)]
-        picks = torch.nn.functional.pad(picks, (0, s.topk - picks.shape[1]), value=-1)
+        picks = keys.argsort(-1)[:, :min(n, topk)]
+        picks = torch.nn.functional.pad(picks, (0, topk - picks.shape[1]), value=-1)
+    picks = torch.nn.functional.pad(picks, (front, 0), value=-1)
     slots = torch.where(picks >= 0, used_slots[picks.clamp_min(0)], -1)
     drop = torch.rand((rows, s.topk), generator=gen, device=device) < s.invalid
     if s.invalid_front:

@@ -61,8 +61,10 @@ PRIMED = 8  # poisoned blocks of the output's size freed just before a kernel th
 STAGES = ("draw", "build", "prepare", "kernel", "reference", "baseline", "compare", "repeat", "metamorphic",
           "diagnose")
 # CaseResult.skip_kind: outside the backend's declared envelope (static), refused by its library for this
-# problem's data (e.g. FlashInfer's planner), or no device memory for it
+# problem's data (e.g. FlashInfer's planner), no device memory for it (it ran out), or a relation this device
+# cannot hold (asked before anything ran)
 SKIP_ENVELOPE, SKIP_LIBRARY, SKIP_MEMORY = "envelope", "library", "memory"
+SKIP_DEVICE = "device"  # a relation that needs more of the device than this one has (Relation.why_not)
 NOT_BIT_IDENTICAL = "not bit-identical"
 LISTED_ROWS = 4  # rows a broken relation's diagnosis names before "and N more"
 FIRST_PASSED = "the first output passed the tolerance model: the relation, not a key or position, is what failed"
@@ -171,6 +173,11 @@ def run_case(backend: Backend, spec: Any, layout: LayoutSpec, device: torch.devi
         skip = SKIP_ENVELOPE if reason.startswith(ENVELOPE_PREFIX) else SKIP_LIBRARY
         result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", skip
         return result
+    relation = kind.relations.get(transform)
+    reason = None if relation is None or relation.why_not is None else relation.why_not(spec, layout, device)
+    if reason is not None:  # the device cannot hold what the relation needs: no kernel is touched
+        result.verdict, result.reason, result.skip_kind = "skip", f"{backend.name}: {reason}", SKIP_DEVICE
+        return result
     stage = Stages(device, result.stages, on_stage)
     try:
         _judge(backend, kind, spec, layout, device, transform, problem, diagnose, result, stage, kernel_seconds)
@@ -231,7 +238,8 @@ def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, d
             baseline = kind.baseline(problem, dtype, arithmetic)
         with stage("compare"):
             lse_base = backend.envelope.lse_base if layout.return_lse else None
-            result.stats, numeric = compare(out, lse, ref, baseline, dtype, lse_base, arithmetic.emulation)
+            empty_lse = backend.envelope.empty_lse
+            result.stats, numeric = compare(out, lse, ref, baseline, dtype, lse_base, arithmetic.emulation, empty_lse)
         failures += numeric
         # The metamorphic call compares bits with the first call, so it also catches a kernel that differs
         # from one call to the next; the plain repeat runs when there is no transform, or when the
@@ -250,7 +258,7 @@ def _judge(backend: Backend, kind: ProblemKind, spec: Any, layout: LayoutSpec, d
                 else:
                     bits = relation.bits and backend.claims_bits(transform)
                     result.invariance = INVARIANT_BITS if bits else INVARIANT_WITHIN_TOLERANCE
-                    judged = Judged(ref, baseline, dtype, lse_base, arithmetic.emulation)
+                    judged = Judged(ref, baseline, dtype, lse_base, arithmetic.emulation, empty_lse)
                     moved_bits, where = _check_relation(moved_call, moved, unmap, out, lse, relation,
                                                         None if bits else judged, failures, result.notes, limit)
         relation_broke = bool(failures) and transform != "none" and not numeric
@@ -376,13 +384,15 @@ def _check_repeatable(prepared: PreparedCall, problem: Any, out: torch.Tensor, l
 @dataclass
 class Judged:
     """What the first call's output was judged by: the reference, the baseline (``emulation`` names its declared
-    arithmetic; "" the plain one), the dtype and the LSE base (None: no LSE)."""
+    arithmetic; "" the plain one), the dtype, the LSE base (None: no LSE) and the LSE of a row with no key (the
+    backend's convention: compare()'s ``empty_lse``)."""
 
     ref: ReferenceResult
     baseline: ReferenceResult
     dtype: str
     lse_base: float | None
     emulation: str = ""
+    empty_lse: float | None = None
 
 
 def _check_relation(prepared: PreparedCall, problem: Any, unmap: Unmap, out: torch.Tensor, lse: torch.Tensor | None,
@@ -409,7 +419,8 @@ def _check_relation(prepared: PreparedCall, problem: Any, unmap: Unmap, out: tor
         elif lse_moved:
             failures.append(f"LSE {NOT_BIT_IDENTICAL} with {what}")
     else:
-        numeric = compare(out2, lse2, judged.ref, judged.baseline, judged.dtype, judged.lse_base, judged.emulation)[1]
+        numeric = compare(out2, lse2, judged.ref, judged.baseline, judged.dtype, judged.lse_base, judged.emulation,
+                          judged.empty_lse)[1]
         claim = " (judged within tolerance: the kernel claims no bit-level invariance for it)" if relation.bits else ""
         if numeric:
             failures.append(f"with {what}{claim}: {numeric[0]}")

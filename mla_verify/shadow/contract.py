@@ -66,6 +66,7 @@ class KernelContract:
     envelope: Envelope | None = None  # a declared envelope, checked once the call is read as a problem
     envelope_severity: str = ERROR  # WARNING where the library checks its own envelope (ours may lag it)
     lse_base: float | None = 2.0  # the base of the LSE it returns; None: not fixed (not compared)
+    empty_lse: float | None = None  # the LSE of a query row with no key (kv_len 0); None: the reference's, -inf
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..backends.flashinfer_trtllm import CUTE_DSL_ENVELOPE, TRTLLM_GEN_ENVELOPE, XQA_ENVELOPE
-from ..backends.flashmla import FLASHMLA_FP8_ARITHMETIC
+from ..backends.flashmla import FLASHMLA_ENVELOPE, FLASHMLA_FP8_ARITHMETIC
 from ..backends.flashmla_sparse import WHEEL_FORMAT_BY_BYTES
 from ..backends.trtllm_style import split_lse
 from ..core.bits import same_bits
@@ -282,7 +282,8 @@ def read_flashmla(values: Mapping[str, Any], schedules: FlashMLASchedules | None
     """``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, ...)``: returns (out, lse).
     Dense bf16 and, in the sgl-flash-mla wheel, dense per-tensor fp8 (``descale_q``/``descale_k``); a sparse
     call (``indices=``) is ``read_flashmla_sparse``'s."""
-    contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE)
+    contract = KernelContract("flash_mla_with_kvcache", cache_dims=(3,), lse_base=LN_BASE,
+                              empty_lse=FLASHMLA_ENVELOPE.empty_lse)
     q, cache, dv = values.get("q"), values.get("k_cache"), values.get("head_dim_v", values.get("dv"))
     if not isinstance(q, torch.Tensor) or not isinstance(cache, torch.Tensor) or dv is None:
         return LiveCall(None, contract, unchecked="no q, k_cache or head_dim_v in the call")

@@ -92,9 +92,9 @@ def judge(call: LiveCall, problem: DecodeProblem | SparseDecodeProblem | None, r
         return verdict
     base = call.contract.lse_base if call.return_lse else None
     # the baseline in the kernel's own arithmetic where it is known (as in check)
-    verdict.stats, verdict.failures = kind_of(problem).judge_output(out=out, lse=lse if base else None,
-                                                                    problem=problem, lse_base=base,
-                                                                    arithmetic=call.arithmetic)
+    verdict.stats, verdict.failures = kind_of(problem).judge_output(
+        out=out, lse=lse if base else None, problem=problem, lse_base=base, arithmetic=call.arithmetic,
+        empty_lse=call.contract.empty_lse)
     verdict.compared = True
     return verdict
 

@@ -430,7 +430,8 @@ def _kernel_entry(kernel: str | Callable[..., Any]) -> _Entry:
     declared = getattr(fn, ENVELOPE_ATTR, None)
     envelope = None if declared is None else envelope_from_overrides(declared, owner=f"kernel '{name}'")
     contract = KernelContract(name, cache_dims=(3, 4) if envelope is None else envelope.cache_dims, envelope=envelope,
-                              lse_base=2.0 if envelope is None else envelope.lse_base)
+                              lse_base=2.0 if envelope is None else envelope.lse_base,
+                              empty_lse=None if envelope is None else envelope.empty_lse)
     replay = name if name and ":" in name else None
     return _Entry(f"kernel {name}", fn, lambda s, v: read_contract1(v, contract, replay), home=home)
 
