@@ -66,11 +66,12 @@ def markdown(results: dict[str, dict[str, Any]], profile: str, device: str, mach
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON path; the Markdown table goes next to it (.md)")
-    ap.add_argument("--mutants", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--mutants", default="", help="comma-separated names (default: all that --device's type can catch)")
     ap.add_argument("--profile", default="premerge")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    names = [n for n in args.mutants.split(",") if n] or list(MUTANTS)
+    device_type = args.device.split(":")[0]
+    names = [n for n in args.mutants.split(",") if n] or [n for n, m in MUTANTS.items() if m.device == device_type]
     unknown = sorted(set(names) - set(MUTANTS))
     if unknown:
         ap.error(f"unknown mutant(s) {', '.join(unknown)}; see mla_verify.kernels.mutants.MUTANTS")

@@ -1,4 +1,5 @@
-"""The kill matrix through the flashmla backend: each of the 23 mutants, behind the sgl-flash-mla wheel's
+"""The kill matrix through the flashmla backend: each mutant a CPU can catch (the 32-bit offset's shows only past
+2^32 elements of the pool: tests/gpu/test_large_pool.py), behind the sgl-flash-mla wheel's
 calling convention (mla_verify.kernels.flashmla_cpu; the one the H200 runs), must fail ``verify(...,
 "premerge")`` on CPU -- so the backend's layout code (the cache view, table, scale, causal flag, LSE
 transposition and base, bmm2 bridge) carries every fault to the harness instead of hiding it. The correct
@@ -35,7 +36,7 @@ def test_the_correct_kernel_passes_premerge_through_the_flashmla_backend(interfa
     assert sum(c.verdict == "pass" for c in result.cases) >= 40
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+@pytest.mark.parametrize("name", sorted(n for n, m in MUTANTS.items() if m.device == "cpu"))
 def test_premerge_through_the_flashmla_backend_kills_mutant(name):
     result = verify(stand_in_backend(MUTANTS[name].fn, ENVELOPE, "wheel"), "cpu", "premerge")
     assert result.verdict == "fail", f"mutant {name} survived {len(result.cases)} premerge cases"

@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import pkgutil
 import re
@@ -119,6 +120,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lse_base": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1, "a number > 1"),
     "max_batch": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "max_seq_len": (lambda v: _int(v) and v >= 1, "an int >= 1"),
+    "empty_lse": (lambda v: v is None or (isinstance(v, float) and math.isinf(v)),
+                  "null (kv_len 0 not taken), or the LSE of their rows: -math.inf or math.inf"),
     "notes": (lambda v: isinstance(v, str), "a string"),
     "bit_invariant": _claim(RELATIONS),
 }

@@ -86,7 +86,7 @@ def spare_bytes(device: torch.device) -> int:
     """This process's share of the device memory free now: what one case that needs much of a GPU (pages past
     2^32 elements, problems/metamorphic.py) may take; 0 on a CPU, where such a case is not run (a CPU run that
     wrote and compared gigabytes would take minutes; a GPU does it in milliseconds)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     free, _ = torch.cuda.mem_get_info(device)
     return int(free / device_sharers())

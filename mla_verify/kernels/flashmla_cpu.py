@@ -13,7 +13,8 @@ How FlashMLA's convention meets the faulty kernel's (Contract 1's):
   so a kernel that reads the page size from the wrong axis is wrong here too;
 - FlashMLA allocates ``out`` and returns it: a kernel that writes elsewhere leaves that buffer unwritten;
 - ``causal=False`` is FlashMLA's non-causal attention: the kernel's causal mask is switched off;
-- the LSE goes from base 2 ``[B*q_len, H]`` to FlashMLA's natural log ``[B, H, q_len]``;
+- the LSE goes from base 2 ``[B*q_len, H]`` to FlashMLA's natural log ``[B, H, q_len]``, +inf for a row with
+  no key (a request of ``cache_seqlens`` 0), as FlashMLA gives it;
 - bf16 has no output scale, so an output-scale fault (``Faults.bmm2_power``, the scale applied 0 or 2 times)
   becomes the kernel applying the one scale it is given, ``softmax_scale``, to its output that many times less
   one: the same bug class -- an output scaled when it must not be; fp8's output scale is ``descale_k``;
@@ -122,7 +123,8 @@ class FlashMLAStandIn:
         _, lse = kernel(q, k_cache.transpose(1, 2), None, 0, head_dim_v, D - head_dim_v, block_table,
                         cache_seqlens, int(cache_seqlens.max()), out=out, bmm1_scale=scale,
                         bmm2_scale=out_scale * wrong ** (f.bmm2_power - 1), return_lse=True)
-        return out, (lse * math.log(2.0)).view(B, Q, H).transpose(1, 2)
+        lse = (lse * math.log(2.0)).masked_fill(lse == float("-inf"), float("inf"))  # FlashMLA: +inf for no key
+        return out, lse.view(B, Q, H).transpose(1, 2)
 
 
 class WheelStandIn(FlashMLAStandIn):

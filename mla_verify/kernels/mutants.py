@@ -118,6 +118,9 @@ class FaultyKernel:
         lse = torch.empty((B, Q, H), dtype=torch.float32, device=query.device)
         for count in sorted(set(npages)):  # sequences with equally many pages are computed together
             idx = [b for b in range(B) if npages[b] == count]
+            if count == 0:  # requests with no key (kv_len 0): the empty sum, out 0 and LSE -inf
+                res[idx], lse[idx] = 0.0, float("-inf")
+                continue
             if max(starts[b] for b in idx) + count > flat_table.numel():
                 raise IndexError("a sequence reads block-table entries past the end of the table")
             pages = torch.stack([flat_table[starts[b]:starts[b] + count] for b in idx]).long()
