@@ -124,6 +124,14 @@ def test_svg_places_points_by_value():
     assert xs[-1][1].endswith("pass") and xs[-1][1].startswith("peer")  # seq 1000 sits rightmost
 
 
+def test_a_case_of_empty_requests_is_plotted_at_one_token():
+    """kv_len 0 for every request (a drawn case of an envelope that takes them): the log axis has no 0."""
+    case = _case("peer", 5, 4, 0.5)
+    case.spec = ProblemSpec(seq_lens=(0,), num_heads=4)
+    svg = ET.fromstring(scatter_svg([case.to_json()], "seq"))
+    assert [c for c in svg.iter(SVG + "circle") if c.find(SVG + "title") is not None]
+
+
 def test_check_report_path(tmp_path):
     assert check_report_path(str(tmp_path / "ok.json")) == tmp_path / "ok.json"
     assert list(tmp_path.iterdir()) == []  # the write probe is gone

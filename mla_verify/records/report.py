@@ -178,7 +178,8 @@ def _x_value(case: dict[str, Any], key: str) -> float:
     spec = case["spec"]
     if key != "max_seq":
         return float(spec["num_heads"])
-    return float(max(spec["seq_lens"]) if "seq_lens" in spec else spec["topk"])  # sparse: the keys a token sees
+    # sparse: the keys a token sees; a batch of empty requests (kv_len 0) sits at 1 on the log axis
+    return float(max(1, max(spec["seq_lens"]) if "seq_lens" in spec else spec["topk"]))
 
 
 def _error_ratio(case: dict[str, Any]) -> float | None:
