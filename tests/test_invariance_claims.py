@@ -8,6 +8,7 @@ whatever it claims. The case records which judgement was applied, and so do the 
 """
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -208,3 +209,22 @@ def test_a_kernel_claiming_bit_invariance_it_lacks_fails_shrunk_with_the_relatio
     assert (failure.spec.batch, failure.spec.num_heads, failure.spec.q_len) == (2, 1, 1), failure.describe()
     block = "\n".join(failure_lines(failure, None))
     assert "the relation broke: with batch order reversed" in block and "KV positions" not in block, block
+
+
+def test_an_isolated_case_keeps_its_notes_across_the_process_boundary() -> None:
+    """A case judged in a worker comes back through result_header/decoded: every plain field it carries, the notes
+    of bits moved within tolerance among them, must arrive (on CUDA, isolation is the default)."""
+    import dataclasses
+
+    from mla_verify.problems.generate import ProblemSpec
+    from mla_verify.problems.layouts import LayoutSpec
+    from mla_verify.run.harness import CaseResult
+    from mla_verify.run.isolate import decoded, result_header
+
+    sent = CaseResult("k", ProblemSpec(seq_lens=(3,)), LayoutSpec(), "batch", "pass", invariance="tolerance",
+                      notes=["bits moved with batch order reversed, within tolerance"], resolved_backend="fa3")
+    back = decoded("k", sent.spec, sent.layout, sent.metamorphic, json.loads(json.dumps(result_header(sent))), {})
+    skipped = {"spec", "layout", "metamorphic", "backend", "problem", "out", "lse", "stats", "first_failing"}
+    for f in dataclasses.fields(CaseResult):
+        if f.name not in skipped:
+            assert getattr(back, f.name) == getattr(sent, f.name), f.name

@@ -58,7 +58,7 @@ from .warmup import WarmupResult, warm_up
 
 EXIT_STUCK = 86  # a worker ended by the watchdog's hard stop (a kernel stuck in native code); any free code
 _PLAIN = ("verdict", "failures", "reason", "seconds", "diagnosis", "stages", "skip_kind", "hung",
-          "resolved_backend", "invariance", "crash", "context_lost")  # the CaseResult fields sent as they are
+          "resolved_backend", "invariance", "notes", "crash", "context_lost")  # the CaseResult fields sent as they are
 
 
 class CaseJudge(Protocol):
