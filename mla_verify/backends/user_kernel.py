@@ -15,7 +15,8 @@ so that a worker process or a replay calls it the same way. A kernel may declare
 attribute holding field overrides of its convention's envelope (an ``Envelope``'s, or for sparse conventions a
 ``SparseEnvelope``'s -- the packed formats it reads among them)::
 
-    my_decode.mla_verify_envelope = {"page_sizes": [16, 64], "devices": ["cpu"], "q_len": [1, 4]}
+    my_decode.mla_verify_envelope = {"page_sizes": [16, 64], "devices": ["cpu"], "q_len": [1, 4],
+                                     "split_sizes": [256]}
     my_sparse_decode.mla_verify_envelope = {"devices": ["cpu"], "formats": ["V32"]}
 
 Lists stand for tuples; ``archs`` and ``dims`` are lists of pairs. Unknown fields or ill-typed values are a
@@ -122,6 +123,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_seq_len": (lambda v: _int(v) and v >= 1, "an int >= 1"),
     "empty_lse": (lambda v: v is None or (isinstance(v, float) and math.isinf(v)),
                   "null (kv_len 0 not taken), or the LSE of their rows: -math.inf or math.inf"),
+    "split_sizes": (lambda v: _ints(v) and all(x >= 1 for x in v), "a list of ints >= 1 (KV tokens per tile or split)"),
+    "special_lengths": (lambda v: _ints(v) and all(x >= 1 for x in v), "a list of ints >= 1 (KV lengths)"),
     "notes": (lambda v: isinstance(v, str), "a string"),
     "bit_invariant": _claim(RELATIONS),
 }

@@ -21,7 +21,7 @@ from ..problems.envelope import SPLIT_SIZES, Envelope
 from ..problems.generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
 from ..problems.layouts import LayoutSpec
 from ..problems.metamorphic import LARGE_POOL, TRANSFORMS
-from .edges import split_edges
+from .edges import declared_edges, split_edges
 
 TP_HEADS = (128, 64, 32, 16, 8, 4, 2, 1)
 TILE_EDGE_HEADS = (63, 65, 96, 127, 3, 5, 7, 9, 15, 17, 33)
@@ -152,15 +152,17 @@ def _head_choices(env: Envelope) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(h for h in TP_HEADS[::-1] + TILE_EDGE_HEADS if h in allowed), allowed
 
 
-def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int, window: int | None = None) -> int:
+def _seq_len(draw: st.DrawFn, page: int, lo: int, hi: int, window: int | None = None,
+             declared: tuple[int, ...] = ()) -> int:
     """A length in [lo, hi] biased to the edges: the shortest, page-1, page, page+1, multiples of the page, the
-    maximum, and the first lengths a sliding window cuts. Shrinks to ``lo``."""
-    return _named_or(draw, _edges(page, lo, hi, window), _ints(lo, hi))
+    maximum, the first lengths a sliding window cuts, and the lengths the kernel declares fragile (edges.py).
+    Shrinks to ``lo``."""
+    return _named_or(draw, _edges(page, lo, hi, window, declared), _ints(lo, hi))
 
 
 @functools.lru_cache(maxsize=4096)
-def _edges(page: int, lo: int, hi: int, window: int | None = None) -> tuple[int, ...]:
-    near: tuple[int, ...] = (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi)
+def _edges(page: int, lo: int, hi: int, window: int | None = None, declared: tuple[int, ...] = ()) -> tuple[int, ...]:
+    near: tuple[int, ...] = (lo, page - 1, page, page + 1, 2 * page, 2 * page + 1, 3 * page - 1, hi, *declared)
     if window is not None:  # query token i sees window + 1 positions: lengths past window + lo are cut
         near += (window, window + 1, window + lo, window + lo + 1, window + page + 1)
     return tuple(sorted({e for e in near if lo <= e <= hi}))
@@ -170,11 +172,12 @@ EXPLICIT_BATCH = 8  # up to this many requests the lengths are drawn one by one;
 LENGTH_PROFILES = ("equal", "uniform", "edges", "one_long")  # in shrinking order: the plainest first
 
 
-def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
+def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: int,
+                   declared: tuple[int, ...] = ()) -> tuple[int, ...]:
     """``batch`` lengths in [lo, hi] from a profile and a seed (numpy's generator: the same on every machine).
 
-    equal: all ``hi``; uniform: uniform in [lo, hi]; edges: page edges and ``hi`` (partial and full pages,
-    one token past a page); one_long: all ``lo`` but one request at ``hi``.
+    equal: all ``hi``; uniform: uniform in [lo, hi]; edges: page edges, the ``declared`` lengths (edges.py) and
+    ``hi`` (partial and full pages, one token past a page); one_long: all ``lo`` but one request at ``hi``.
     """
     rng = np.random.default_rng(seed)
     if profile == "equal":
@@ -182,7 +185,7 @@ def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: 
     elif profile == "uniform":
         lens = rng.integers(lo, hi + 1, batch)
     elif profile == "edges":
-        lens = rng.choice(np.array(_edges(page, lo, hi) or (hi,)), batch)
+        lens = rng.choice(np.array(_edges(page, lo, hi, None, declared) or (hi,)), batch)
     elif profile == "one_long":
         lens = np.full(batch, lo)
         lens[rng.integers(batch)] = hi
@@ -192,7 +195,7 @@ def expand_lengths(profile: str, batch: int, page: int, lo: int, hi: int, seed: 
 
 
 def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int,
-                   window: int | None = None) -> tuple[int, ...]:
+                   window: int | None = None, declared: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The requests' KV lengths in [lo, hi], one of them often ``hi``.
 
     Drawing cost does not grow with the batch: up to EXPLICIT_BATCH requests each length is drawn (and
@@ -201,13 +204,13 @@ def _batch_lengths(draw: st.DrawFn, batch: int, page: int, lo: int, hi: int,
     needs many requests thus stays readable, and one that does not shrinks to the explicit form.
     """
     if batch <= EXPLICIT_BATCH:
-        lens = [_seq_len(draw, page, lo, hi, window) for _ in range(batch)]
+        lens = [_seq_len(draw, page, lo, hi, window, declared) for _ in range(batch)]
         if draw(_BOOL):  # one request at the case's maximum
             lens[_pick(draw, range(batch))] = hi
         return tuple(lens)
     profile = _pick(draw, LENGTH_PROFILES)
     floor = draw(_ints(lo, hi)) if draw(_BOOL) else lo
-    return expand_lengths(profile, batch, page, floor, hi, draw(_PROFILE_SEED))
+    return expand_lengths(profile, batch, page, floor, hi, draw(_PROFILE_SEED), declared)
 
 
 # fp8 cases the fuzz profile draws as often as all others (``probes``): near-identical keys (every probability
@@ -228,12 +231,13 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) 
     else:
         q_len = draw(_ints(env.q_len[0], q_hi)) if draw(_BOOL) else env.q_len[0]
     window = _pick(draw, env.windows)  # no draw for (None,): other envelopes' cases are unchanged
+    declared = declared_edges(env, q_len)  # empty unless the kernel declares where it is fragile
     extra_pages = draw(_ints(0, 8))
     # cached tokens the sequences may take: the budget less the unused pages (at least one page)
     room = max(page, budget.max_tokens - extra_pages * page)
     # the longest sequence of this case, then a batch that fits the budget with it
     top = max(q_len, min(env.max_seq_len, budget.max_seq_len, budget.units // (heads * q_len), room))
-    cap = _seq_len(draw, page, q_len, top, window)
+    cap = _seq_len(draw, page, q_len, top, window, declared)
     max_b = max(1, min(env.max_batch, budget.max_batch, budget.units // (cap * heads * q_len),
                        room // (-(-cap // page) * page), budget.max_rows // (heads * q_len)))
     if env.batch_sizes is not None:
@@ -241,8 +245,8 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) 
     else:
         batch = draw(_ints(1, max_b if draw(_BOOL) else min(4, max_b)))
     # (after an OOM the clamp may cut a batch to a size outside env.batch_sizes: then its case is a skip)
-    lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap, window), page, q_len, heads, extra_pages,
-                         budget.cap_tokens, budget.cap_rows)
+    lens = clamp_lengths(_batch_lengths(draw, batch, page, q_len, cap, window, declared), page, q_len, heads,
+                         extra_pages, budget.cap_tokens, budget.cap_rows)
     if env.empty_lse is not None:  # no draw otherwise
         lens = _emptied(draw, lens)
     q_lens = _q_lens(draw, len(lens), q_len) if env.ragged_q and q_len > 1 else None  # no draw otherwise
@@ -378,6 +382,7 @@ def corner_cases(env: Envelope, budget: Budget) -> list[Case]:
                                     **{**r1, "kv_lora_rank": other_rank, "qk_rope_head_dim": other_rope}), full))
     out += _tile_corners(env, budget, allowed, fit, r1, native)
     out += _shipped_bug_corners(env, budget, (h_few, h_min), q_hi, fit, r1, native)
+    out += _declared_corners(env, budget, (h_few, h_min), fit, r1, native)
     out += [
         Case(ProblemSpec(seq_lens=tuple(max(q_lo, i % (large + 1) + 1) for i in range(widest)), q_len=q_lo,
                          num_heads=h_min, page_size=large, seed=6, **r1), full, "batch"),
@@ -430,11 +435,8 @@ def _shipped_bug_corners(env: Envelope, budget: Budget, heads: tuple[int, ...], 
                                                      ("near_ties", "batch")))]
     # S + 1 .. S + q - 1 for q tokens (at most 4: rows 0..q-2 see none of the last split; q 1: S + 1, a one-token
     # split), as many as the budget takes
-    lens = [n for size in SPLIT_SIZES for n in split_edges((size,), q, (1,))
-            if size < n <= min(env.max_seq_len, budget.max_seq_len)]
-    h = next((h for h in heads if sum(lens) * q * h <= budget.units), heads[-1])
-    while lens and (sum(lens) * q * h > budget.units or len(lens) * q * h > budget.max_rows):
-        lens.pop()
+    lens, h = _fitting([n for size in SPLIT_SIZES for n in split_edges((size,), q, (1,))
+                        if size < n <= min(env.max_seq_len, budget.max_seq_len)], q, heads, budget)
     found.append(Case(ProblemSpec(seq_lens=fit(lens), q_len=q, num_heads=h, page_size=page, seed=33, **r1), layout))
     if env.empty_lse is not None:  # an empty request between two others, and one alone at the end
         found.append(Case(ProblemSpec(seq_lens=fit([q_hi + 1, 0, max(q_hi, 2 * page + 3), 0]), q_len=q_hi,
@@ -443,3 +445,32 @@ def _shipped_bug_corners(env: Envelope, budget: Budget, heads: tuple[int, ...], 
                       replace(layout, page_stride_pad=0), LARGE_POOL))
     return [c for c in found if c.spec.seq_lens and env.why_not(c.spec, c.layout) is None
             and c.spec.total_tokens * c.spec.q_len * c.spec.num_heads <= budget.units]
+
+
+def _declared_corners(env: Envelope, budget: Budget, heads: tuple[int, ...],
+                      fit: Callable[[list[int]], tuple[int, ...]], r1: dict[str, Any],
+                      layout: LayoutSpec) -> list[Case]:
+    """Where the kernel says it is fragile (edges.declared_edges: its splits' edges, its special lengths): one
+    batch of sequences at those lengths for the fewest query tokens, for two (one speculative token, the
+    commonest multi-token decode) and for the most, on the smallest page, as many as the budget takes
+    (``_fitting``). None when it declares nothing."""
+    q_lens = env.q_lens or tuple(range(env.q_len[0], env.q_len[1] + 1))
+    page = min(env.page_sizes or DEFAULT_PAGE_SIZES)
+    found: list[Case] = []
+    for i, q in enumerate(sorted({q for q in (min(q_lens), 2, max(q_lens)) if q in q_lens})):
+        lens, h = _fitting([n for n in declared_edges(env, q) if q <= n <= min(env.max_seq_len, budget.max_seq_len)],
+                           q, heads, budget)
+        batch = fit(lens)
+        spec = ProblemSpec(seq_lens=batch, q_len=q, num_heads=h, page_size=page, seed=20 + i, **r1)
+        if batch and sum(batch) * q * h <= budget.units and env.why_not(spec, layout) is None:
+            found.append(Case(spec, layout))
+    return found
+
+
+def _fitting(lens: list[int], q: int, heads: tuple[int, ...], budget: Budget) -> tuple[list[int], int]:
+    """One batch of ``lens`` (ascending) at ``q`` query tokens: the first of ``heads`` with which all of them fit
+    the budget, else the last, the longest lengths left out until the rest fit."""
+    h = next((h for h in heads if sum(lens) * q * h <= budget.units), heads[-1])
+    while lens and (sum(lens) * q * h > budget.units or len(lens) * q * h > budget.max_rows):
+        lens = lens[:-1]
+    return lens, h

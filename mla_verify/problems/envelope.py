@@ -55,6 +55,11 @@ class Envelope:
     # requests with no KV token (kv_len 0) taken, and the LSE their query rows get -- -inf, the log of an empty
     # sum (FlashInfer fa2), or +inf (FlashMLA) -- besides out 0; None: not taken (Contract 1's default)
     empty_lse: float | None = None
+    # Where the kernel is fragile, by its own account (nothing here narrows what it takes): the KV tokens per
+    # tile or split it cuts sequences into, and lengths it treats specially. The strategies and the corner
+    # cases then hit their edges (draw/edges.py), as they hit page edges.
+    split_sizes: tuple[int, ...] = ()
+    special_lengths: tuple[int, ...] = ()
     notes: str = ""
     # the metamorphic relations (metamorphic.RELATIONS) whose output the backend claims bit for bit; the others
     # are judged by the tolerance model against the same reference (a kernel whose split-KV schedule depends on
