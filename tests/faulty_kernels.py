@@ -8,6 +8,8 @@ PYTHONPATH. Each declares a small CPU envelope, so the engine's premerge run on 
 - ``empty_split_nan``: flash-decoding over fixed splits of ``max_seq_len``, every sequence through every
   split; a split past a short sequence's end has all its keys masked, its maximum is -inf, and
   exp(-inf - -inf) is NaN. It never reads a cache slot outside a sequence.
+
+And ``last_split_nan``, a kernel that declares where it is fragile (``split_sizes``, draw/edges.py).
 """
 from __future__ import annotations
 
@@ -127,3 +129,33 @@ next_page_read.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 
 page_stride_ignored.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96, "page_strided": True}
 aligned_last_page_dropped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}
 batch_entries_swapped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}
+
+
+# A kernel that says where it is fragile: 256-token splits, and an unguarded empty split. The CPU peer, except
+# that a query token that sees nothing of its sequence's last split (seq_len = k*256 + j with j < the token's
+# index + 1) gets that split's exp(-inf - -inf) = NaN. Within its envelope (q_len 1-2, sequences up to 300)
+# that is seq_len 257 with q_len 2, and nothing else.
+FRAGILE_SPLIT = 256
+
+
+def last_split_nan(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int, rope: int,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                   out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+                   return_lse: bool = False, **kwargs: Any) -> Any:
+    """256-token splits; a query token with nothing to see in the last split gets NaN."""
+    result, lse = cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, max_seq_len,
+                                  bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, return_lse=True,
+                                  tokens_per_split=FRAGILE_SPLIT)
+    B, Q = query.shape[:2]
+    lens = seq_lens.long()
+    last_visible = lens[:, None] - Q + torch.arange(Q, device=query.device)  # [B, Q]
+    empty = last_visible < ((lens - 1) // FRAGILE_SPLIT * FRAGILE_SPLIT)[:, None]
+    result = result.masked_fill(empty[:, :, None, None], float("nan"))
+    lse = lse.view(B, Q, -1).masked_fill(empty[:, :, None], float("nan")).view(B * Q, -1)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result
+
+
+last_split_nan.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 300, "split_sizes": [FRAGILE_SPLIT]}

@@ -275,7 +275,7 @@ def test_check_says_how_many_cases_a_policy_backend_resolved_to_each_kernel(caps
 @pytest.mark.parametrize("env_value, huge", [(None, True), ("0", False)])
 def test_check_on_cpu_backs_large_tensors_with_huge_pages(env_value, huge):
     """`check --device cpu` turns on torch's huge-page allocation before torch's first allocation, which is
-    when torch reads it (cli.cpu_run_settings); a THP_MEM_ALLOC_ENABLE the user set wins. torch then aligns
+    when torch reads it (workers.cpu_run_settings); a THP_MEM_ALLOC_ENABLE the user set wins. torch then aligns
     a tensor of 2 MiB or more to the page; otherwise glibc puts it 64 bytes into its mapping."""
     probe = ("import sys, torch; from mla_verify.cli.main import main; code = main(sys.argv[1:]); "
              "print(code, torch.empty(4 << 20, dtype=torch.uint8).data_ptr() % 4096)")

@@ -1,15 +1,20 @@
-"""Strategies stay inside envelope and budget; premerge is reproducible; failures shrink."""
+"""Strategies stay inside envelope and budget and hit the lengths a kernel declares fragile; premerge is
+reproducible, fuzz draws new cases each run unless seeded; failures shrink."""
 import importlib
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import InMemoryExampleDatabase
 
 from mla_verify.backends.trtllm_style import TRTLLM_ENVELOPE, TrtllmStyleBackend
+from mla_verify.backends.user_kernel import load_kernel
 from mla_verify.core.errors import UsageError
-from mla_verify.draw.profiles import get_profile
-from mla_verify.draw.strategies import Budget, budget_for, cases, corner_cases
+from mla_verify.draw.edges import declared_edges, split_edges
+from mla_verify.draw.profiles import DEFAULT_SEED, get_profile
+from mla_verify.draw.strategies import Budget, Case, budget_for, cases, corner_cases, expand_lengths
 from mla_verify.kernels.mutants import MUTANTS, correct_kernel
 from mla_verify.run import engine
 from mla_verify.run.engine import verify
@@ -21,8 +26,11 @@ NARROW = TRTLLM_ENVELOPE.narrowed(page_sizes=(16,), dims=((256, 64),), heads=(8,
 SMALL = Budget(units=20_000, max_batch=64, max_seq_len=4096, max_tokens=6000, max_rows=300)
 
 
+FRAGILE = TRTLLM_ENVELOPE.narrowed(split_sizes=(256,), special_lengths=(1000,))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(env=st.sampled_from([TRTLLM_ENVELOPE, NARROW]), data=st.data())
+@given(env=st.sampled_from([TRTLLM_ENVELOPE, NARROW, FRAGILE]), data=st.data())
 def test_drawn_cases_fit_envelope_and_budget(env, data):
     case = data.draw(cases(env, SMALL))
     assert env.why_not(case.spec, case.layout) is None
@@ -170,3 +178,77 @@ def test_corner_cases_stay_valid_on_a_budget_smaller_than_their_unused_pages():
     for case in corner_cases(TRTLLM_ENVELOPE, tiny):
         assert case.spec.batch >= 1 and min(case.spec.seq_lens) >= case.spec.q_len
         assert TRTLLM_ENVELOPE.why_not(case.spec, case.layout) is None
+
+
+def test_split_edges_are_the_lengths_around_each_split():
+    # k*S - 1, k*S, then k*S + 1 .. k*S + q_len - 1: the split after the edge holding only new tokens
+    assert split_edges([256], q_len=1) == (255, 256, 257, 511, 512, 513)
+    assert split_edges([256], q_len=2) == (255, 256, 257, 511, 512, 513)
+    assert split_edges([64], q_len=4) == (63, 64, 65, 66, 67, 127, 128, 129, 130, 131)
+    assert split_edges([1, 3], q_len=1, multiples=(1,)) == (1, 2, 3, 4)  # no length below 1
+    assert declared_edges(FRAGILE, 3) == (255, 256, 257, 258, 511, 512, 513, 514, 999, 1000, 1001)
+    assert declared_edges(TRTLLM_ENVELOPE, 3) == ()
+
+
+def test_declared_split_sizes_add_corner_cases_at_their_edges_and_change_nothing_else():
+    budget = budget_for("cpu")
+    plain, declared = corner_cases(TRTLLM_ENVELOPE, budget), corner_cases(FRAGILE.narrowed(special_lengths=()), budget)
+    added = [c.spec for c in declared if c not in plain]
+    assert [c for c in declared if c in plain] == plain  # every other corner case as it was, in its order
+    # the fewest query tokens, two (one speculative token) and the most, each at the split's edges
+    assert sorted(s.q_len for s in added) == [1, 2, 16]
+    two = next(s for s in added if s.q_len == 2)
+    assert set(two.seq_lens) == {255, 256, 257, 511, 512, 513}
+    sixteen = next(s for s in added if s.q_len == 16)
+    assert {256 + j for j in range(1, 16)} <= set(sixteen.seq_lens)  # every way the last split can be short
+    assert all(FRAGILE.why_not(c.spec, c.layout) is None for c in declared if c not in plain)
+    # an envelope that declares nothing has no corner case at q_len 2 with a sequence one past a split of 256
+    assert not any(c.spec.q_len == 2 and 257 in c.spec.seq_lens for c in plain)
+
+
+def test_drawn_lengths_include_the_declared_edges():
+    declared = declared_edges(FRAGILE, 1)
+    lens = expand_lengths("edges", 400, 16, 1, 1200, seed=0, declared=declared)
+    assert set(declared) <= set(lens)
+    assert expand_lengths("edges", 40, 16, 1, 1200, seed=0) == expand_lengths("edges", 40, 16, 1, 1200, 0, ())
+
+
+def test_a_kernel_fragile_at_its_declared_split_is_caught_in_premerge():
+    # faulty_kernels.last_split_nan declares 256-token splits and fails only at seq_len 257 with q_len 2: the
+    # corner cases at its split's edges hold that case (the drawn cases are cut to 5 to keep the test quick)
+    backend = load_kernel("faulty_kernels:last_split_nan")
+    result = verify(backend, "cpu", "premerge", max_examples=5)
+    assert result.verdict == "fail"
+    assert result.failure.spec.q_len == 2 and 257 in result.failure.spec.seq_lens, result.failure.describe()
+    first = next(c for c in result.cases if c.verdict == "fail")
+    assert Case(first.spec, first.layout, first.metamorphic) in corner_cases(backend.envelope, budget_for("cpu"))
+
+
+FUZZ_UNBOUNDED = replace(get_profile("fuzz"), minutes=None)  # bounded by max_examples alone: no restarts
+
+
+def test_fuzz_draws_new_cases_each_run_unless_given_the_seed_it_printed():
+    backend = TrtllmStyleBackend("correct", correct_kernel, NARROW)
+    runs = [verify(backend, "cpu", FUZZ_UNBOUNDED, max_examples=8) for _ in range(2)]
+    ids = [[c.id for c in r.cases] for r in runs]
+    assert runs[0].seed != runs[1].seed
+    assert len(set(ids[0]) & set(ids[1])) < len(ids[0]) / 2
+    again = verify(backend, "cpu", FUZZ_UNBOUNDED, max_examples=8, seed=runs[0].seed)
+    assert [c.id for c in again.cases] == ids[0]
+    premerge = [verify(backend, "cpu", "dev", max_examples=4).seed for _ in range(2)]
+    assert premerge == [DEFAULT_SEED] * 2
+
+
+def test_a_seeded_fuzz_run_with_a_database_draws_the_same_cases_and_still_saves_failures():
+    # Hypothesis's @seed turns the database off: with one the run is seeded through profiles.seeded_with_database
+    wrong = TrtllmStyleBackend("wrong", MUTANTS["scale_sqrt_576"].fn, NARROW)
+    good = TrtllmStyleBackend("correct", correct_kernel, NARROW)
+    ids = [[c.id for c in verify(good, "cpu", FUZZ_UNBOUNDED, max_examples=6, seed=7,
+                                 database=InMemoryExampleDatabase()).cases] for _ in range(2)]
+    assert ids[0] == ids[1]
+    other = [c.id for c in verify(good, "cpu", FUZZ_UNBOUNDED, max_examples=6, seed=8,
+                                  database=InMemoryExampleDatabase()).cases]
+    assert other != ids[0]
+    db = InMemoryExampleDatabase()
+    assert verify(wrong, "cpu", FUZZ_UNBOUNDED, max_examples=20, seed=7, database=db).verdict == "fail"
+    assert db.data, "the failure was not saved to the database"

@@ -7,7 +7,6 @@ traceback. Everything a run needs is validated before the first case runs.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -57,7 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
                        help="premerge: derandomized and bounded (default); fuzz: random, time-bounded; dev: quick")
-    check.add_argument("--seed", type=non_negative_int, help="Hypothesis seed (default: the profile's fixed seed)")
+    check.add_argument("--seed", type=non_negative_int,
+                       help="Hypothesis seed (default: premerge and dev their fixed one; fuzz a fresh one each run, "
+                            "printed at the start and recorded in the report)")
+    check.add_argument("--cases", type=Path, metavar="DIR",
+                       help="your own cases, judged first in every profile: *.json files in DIR, each a spec "
+                            "or a fixture (a reproducer of an earlier run, tensors saved with save_case; "
+                            "docs/cli.md, \"Your own cases\")")
     check.add_argument("--max-examples", type=positive_int, metavar="N", help="drawn cases per backend")
     check.add_argument("--minutes", type=positive_minutes, metavar="M",
                        help="end each backend's run after M minutes of cases (plus at most the case in progress; "
@@ -143,24 +148,11 @@ def _version() -> str:
 
 
 # ---------------------------------------------------------------- check
-def cpu_run_settings(threads: int = 1) -> None:
-    """How `check` and `replay` run torch on CPU, unless the environment says otherwise (docs/verified.md):
-    ``threads`` torch threads (replay: the recorded run's count) unless OMP_NUM_THREADS is set."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
-        # waits for the thread that is not scheduled
-        torch.set_num_threads(threads)
-    # torch's CPU allocator then backs each tensor of 2 MiB or more with huge pages. A case's large tensors are
-    # mapped afresh, and with 4 KiB pages the page faults were half of a CPU premerge run. Blocks are handed
-    # out and reused as before, so the poison priming of harness._invoke is unchanged. torch reads the
-    # variable at its first allocation, which no case has made yet.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def cmd_check(ns: argparse.Namespace) -> int:
     from ..draw.hypothesis_db import resolve_database
-    from ..draw.profiles import get_profile
+    from ..draw.profiles import get_profile, run_seed
     from ..judge.selfcheck import reference_selfcheck
+    from ..records.cases import load_cases
     from ..records.failure import failure_lines, in_flight_note, in_flight_path, record_in_flight, save_reproducer
     from ..records.fixtures import check_writable_dir
     from ..records.report import build_report, check_report_path, write_report
@@ -170,12 +162,16 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.progress import Progress
     from ..run.supervise import IN_PROCESS, ISOLATED, how_to_run, search
     from ..run.warmup import start_warm_up
+    from ..run.workers import cpu_run_settings
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
     if device.type == "cpu":
         cpu_run_settings()
     profile = get_profile(ns.profile)
+    # a random profile without --seed draws from a fresh seed, said here and in the report: --seed repeats it
+    seed = ns.seed if ns.seed is not None or profile.deterministic else run_seed(profile, None)
+    given = load_cases(ns.cases) if ns.cases is not None else []
     report_path = check_report_path(ns.report) if ns.report else None
     database = resolve_database(ns.hypothesis_db)
     if database is not None and profile.deterministic:
@@ -199,8 +195,13 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for judge in judges.values():
         judge.launch()
     warmup = None
+    if seed is not None:
+        print(f"seed: {seed}" + ("" if ns.seed is not None else f" (fresh for this run; --seed {seed} draws the same "
+                                                                 "cases again)"), flush=True)
+    if given:
+        print(f"your cases: {len(given)} from {ns.cases}, judged first on each backend", flush=True)
     try:
-        selfcheck = reference_selfcheck(device, seed=ns.seed or 0)
+        selfcheck = reference_selfcheck(device, seed=seed or 0)
         print(f"reference self-check: {selfcheck.describe()}", flush=True)
         results = []
         for backend, reason in backends:
@@ -216,16 +217,17 @@ def cmd_check(ns: argparse.Namespace) -> int:
             if how == IN_PROCESS:
                 print(in_flight_note(in_flight), flush=True)
             with Progress(backend.name, ns.minutes or profile.minutes,
-                          _planned_cases(backend, device, profile, ns.max_examples)) as progress:
+                          _planned_cases(backend, device, profile, ns.max_examples, len(given))) as progress:
                 def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
                     if how == IN_PROCESS:  # write-ahead: a crash that takes this process leaves the case behind
                         record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform,
                                          device, backend.source)
                     progress.start(case)
 
-                result = search(backend, device, profile, how, seed=ns.seed, max_examples=ns.max_examples,
+                result = search(backend, device, profile, how, seed=seed, max_examples=ns.max_examples,
                                 minutes=ns.minutes, database=database, on_case=progress.update,
-                                on_start=starting, kernel_seconds=ns.case_timeout, judge=judges.get(backend.name))
+                                on_start=starting, kernel_seconds=ns.case_timeout, judge=judges.get(backend.name),
+                                given_cases=given)
             in_flight.unlink(missing_ok=True)
             _print_backend_result(result)
             results.append(result)
@@ -250,11 +252,14 @@ def cmd_check(ns: argparse.Namespace) -> int:
                 fixtures[r.backend] = str(saved)
     for r in results:
         if r.failure is not None:
-            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir,
+                                                r.given_origin)))
     interrupted = any(r.interrupted for r in results)
     if report_path is not None:
         run = {"command": ns.command_line,
-               "device": str(device), "profile": profile.name, "seed": ns.seed, "max_examples": ns.max_examples,
+               "device": str(device), "profile": profile.name, "seed": seed,
+               **({"seed_fresh": True} if seed is not None and ns.seed is None else {}),
+               "cases": None if ns.cases is None else f"{len(given)} from {ns.cases}", "max_examples": ns.max_examples,
                "minutes": ns.minutes, "seconds": round(time.monotonic() - started, 2),
                "interrupted": interrupted,
                **warmup.run_fields(),
@@ -303,8 +308,10 @@ def _print_warmup(title: str, warmup: Any) -> None:
             print(f"  warm-up failed: {line}", flush=True)
 
 
-def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None) -> int | None:
-    """How many cases a bounded profile runs at most (corner cases and drawn ones); None for fuzzing."""
+def _planned_cases(backend: Any, device: torch.device, profile: Any, max_examples: int | None,
+                   given: int = 0) -> int | None:
+    """How many cases a bounded profile runs at most (the user's, corner cases and drawn ones); None for
+    fuzzing."""
     from ..draw.strategies import budget_for
     from ..kinds import kind_named
 
@@ -312,7 +319,7 @@ def _planned_cases(backend: Any, device: torch.device, profile: Any, max_example
         return None
     corners = len(kind_named(backend.kind).corner_cases(backend.envelope, budget_for(device))) \
         if profile.corner_cases else 0
-    return corners + (max_examples or profile.max_examples)
+    return given + corners + (max_examples or profile.max_examples)
 
 
 def _select_backends(kernels: list[str] | None, names: list[str] | None, device: torch.device,
@@ -354,15 +361,16 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     from ..backends import Backend, named_backend
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
+    from ..records.cases import fixture_spec
     from ..records.failure import crash_line
     from ..records.fixtures import load_fixture
     from ..run import watchdog
     from ..run.isolate import InProcess, Isolated, forkable
+    from ..run.workers import cpu_run_settings
 
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not when the kernel hangs
     fx = load_fixture(ns.fixture)
-    if fx.spec is None:
-        raise FixtureError(f"{fx.json_path}: records no problem spec; nothing to replay against a backend")
+    spec = fixture_spec(fx)  # a fixture whose stored tensors say everything needs no spec: one describes them
     recorded = fx.meta.get("backend")
     name = ns.backend or recorded
     backend: Backend
@@ -379,7 +387,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     if backend.kind != fx.kind.name:
         raise UsageError(f"{backend.name} judges {backend.kind} decode problems; {fx.json_path} is a "
                          f"{fx.kind.name} one")
-    reason = backend.why_not(fx.spec, fx.layout, device)
+    reason = backend.why_not(spec, fx.layout, device)
     if reason is not None:
         raise UsageError(f"{backend.name} cannot replay this case on {device}: {reason}")
     print(f"replaying {fx.json_path} on {device}: {backend.name}")
@@ -387,7 +395,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         # as the recorded run did (`check`: one thread; a shadow call: its process's count); with another
         # thread count CPU sums round differently
         cpu_run_settings(fx.meta.get("torch_threads", 1))
-    print(f"  case: {fx.spec.describe()}")
+    print(f"  case: {spec.describe()}")
     print(f"  layout: {fx.kind.describe_layout(fx.layout)}")
     transform = fx.meta.get("metamorphic", "none")
     # isolated, a copy of this process judges the problem as it is here; a worker of the fork server rebuilds it
@@ -403,7 +411,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
     judge = Isolated(backend, device, ns.case_timeout, keep_output=True, fork=fork, problem=problem if fork else None) \
         if isolate else InProcess(backend, device, ns.case_timeout, problem)
     try:
-        result = judge(fx.spec, fx.layout, transform, True)
+        result = judge(spec, fx.layout, transform, True)
     finally:
         judge.close()
     if result.crash or fx.meta.get("crash"):

@@ -3,16 +3,23 @@
 premerge  seeded and bounded: the same command gives the same cases and verdicts every time; explicit corner
           cases first (the envelope's extremes), then drawn cases.
 fuzz      random, time-bounded, saved to an example database, ``hypothesis.target`` on the error ratio so the
-          search climbs toward the worst inputs.
+          search climbs toward the worst inputs. Each run draws from a fresh seed (``run_seed``) unless one is
+          given, and says which: the same seed draws the same cases again.
 dev       a quick look.
+
+A user's own cases (``--cases``) come before everything else in every profile (run/engine.py).
 """
 from __future__ import annotations
 
+import secrets
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from random import Random
+from typing import Any
 
+import hypothesis.core
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.database import ExampleDatabase
@@ -30,8 +37,10 @@ class Profile:
     targeted: bool
     minutes: float | None = None  # wall-clock bound (fuzz)
     fp8_probes: bool = False  # half the fp8 cases near-identical keys or one key (strategies.FP8_PROBES)
-    # (k, n): judge only cases k, k+n, k+2n, ... of the corner cases and of the drawn sequence (pytest shard k
-    # of n); every shard draws the whole sequence, so together the shards judge the cases one process would
+    # (k, n): judge only cases k, k+n, k+2n, ... of the user's and the corner cases and, in a deterministic
+    # profile, of the drawn sequence (pytest shard k of n); every shard draws the whole sequence, so together
+    # the shards judge the cases one process would. (A random profile's shards each search from a seed of
+    # their own: pytest_helpers.Shard.)
     share: tuple[int, int] = (0, 1)
 
 
@@ -43,10 +52,23 @@ PROFILES = {
 }
 
 
+DEFAULT_SEED = 20261201  # the deterministic profiles' seed: the same cases on every run
+SEED_BITS = 32  # a fresh seed is below 2**32: short enough to read and to type back as --seed
+
+
 def get_profile(name: str) -> Profile:
     if name not in PROFILES:
         raise UsageError(f"unknown profile {name!r}; choose one of: {', '.join(PROFILES)}")
     return PROFILES[name]
+
+
+def run_seed(profile: Profile, seed: int | None) -> int:
+    """The seed a run draws from: ``seed`` when given, else the profile's fixed one (premerge, dev: the same
+    cases every run), else a fresh one (fuzz): a fixed seed would walk every session on every machine down
+    the same path, and miss forever what that path misses."""
+    if seed is not None:
+        return seed
+    return DEFAULT_SEED if profile.deterministic else secrets.randbits(SEED_BITS)
 
 
 def hypothesis_settings(profile: Profile, max_examples: int | None,
@@ -103,3 +125,23 @@ def draws_free_of_local_source(seeded: bool) -> Iterator[None]:
     finally:
         providers._get_local_constants = original
         cache.clear()
+
+
+@contextmanager
+def seeded_with_database(seed: int) -> Iterator[None]:
+    """Hypothesis's ``@seed`` turns its example database off, so a run that uses one is seeded here instead:
+    Hypothesis draws each search's random generator from a per-thread one, which starts from ``seed`` for the
+    run. Given the database's contents, the run then draws the same cases again. This reaches into
+    Hypothesis's internals; where they have moved nothing is seeded, and tests/test_engine.py's test of this
+    property fails."""
+    local: Any = getattr(hypothesis.core, "threadlocal", None)
+    try:
+        saved = local._hypothesis_global_random
+    except AttributeError:
+        yield
+        return
+    local._hypothesis_global_random = Random(seed)
+    try:
+        yield
+    finally:
+        local._hypothesis_global_random = saved

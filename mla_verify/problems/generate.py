@@ -137,6 +137,22 @@ def dtype_name(problem: DecodeProblem) -> str:
     return next((name for name, dtype in DTYPES.items() if dtype == problem.query.dtype), "bf16")
 
 
+def describing_spec(problem: DecodeProblem, values: str) -> ProblemSpec:
+    """The spec whose parameters are this problem's (bmm1 as the softmax scale, bmm2 as the extra factor), for
+    a problem no spec generated (a live call, a user's stored tensors): ``values`` says where its tensors come
+    from, and, not being a VALUE_KINDS name, keeps ``build_problem`` from taking the spec for one that
+    regenerates them."""
+    p = problem
+    used = p.pages_used()
+    return ProblemSpec(seq_lens=tuple(p.seq_lens.tolist()), q_len=p.q_len, num_heads=p.num_heads,
+                       page_size=p.page_size, kv_lora_rank=p.dims.kv_lora_rank,
+                       qk_rope_head_dim=p.dims.qk_rope_head_dim, qk_nope_head_dim=p.dims.qk_nope_head_dim,
+                       dtype=dtype_name(p), softmax_scale=p.bmm1_scale, bmm2_extra=p.bmm2_scale,
+                       extra_pages=max(0, p.num_pages - int(used.sum())),
+                       table_pad=p.block_table.shape[1] - int(used.max()), values=values,
+                       max_seq_len=p.max_seq_len, window_left=p.window_left, q_lens=p.q_lens)
+
+
 def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> DecodeProblem:
     """Materialize ``spec`` on ``device``; NaN in every cache slot no sequence owns."""
     device = torch.device(device)

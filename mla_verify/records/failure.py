@@ -90,14 +90,18 @@ def crash_line(now: str, recorded: str | None) -> str:
     return f"crashed again: {now}" + (f" (recorded: {recorded})" if recorded else " (recorded: no crash)")
 
 
-def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None = None) -> list[str]:
-    """The FAIL block: the first failure, the case, every failure, the diagnosis (and the first failing case's,
-    when it tells more), the reproducer (its size) and,
-    when a reproducer was to be written into ``directory``, the folder reproducers go to."""
+def failure_lines(case: CaseResult, fixture: str | None, directory: Path | None = None,
+                  origin: str | None = None) -> list[str]:
+    """The FAIL block: the first failure, the user's case file it came from (``origin``, if it did), the case,
+    every failure, the diagnosis (and the first failing case's, when it tells more), the reproducer (its size)
+    and, when a reproducer was to be written into ``directory``, the folder reproducers go to."""
     from .fixtures import fixture_paths
 
-    lines = [f"FAIL {case.backend}: {case.reason}", f"  minimal case: {case.spec.describe()}",
-             f"  layout: {case.kind.describe_layout(case.layout)}" + (f"; metamorphic check: {case.metamorphic}"
+    lines = [f"FAIL {case.backend}: {case.reason}"]
+    if origin is not None:
+        lines.append(f"  from your case {origin} (judged before any drawn case)")
+    lines += [f"  minimal case: {case.spec.describe()}",
+              f"  layout: {case.kind.describe_layout(case.layout)}" + (f"; metamorphic check: {case.metamorphic}"
                                                       if case.metamorphic != "none" else "")]
     lines += [f"  - {f}" for f in case.failures]
     lines += [f"  diagnosis: {d}" for d in case.diagnosis]  # none: the kernel left no output to diagnose

@@ -11,6 +11,7 @@ from typing import Any
 
 WARMUP = "warmup"  # the stage name a warm-up phase would carry among the per-case means
 SETTINGS = {"command": "command", "device": "device", "profile": "profile", "seed": "seed",
+            "seed_fresh": "seed drawn fresh for this run", "cases": "your cases (judged first)",
             "max_examples": "drawn cases per backend", "minutes": "minutes per backend", "seconds": "wall time",
             "interrupted": "interrupted", "warmup": "warm-up, before the first case (run/warmup.py)",
             "warmup_s": "warm-up time", "warmup_failures": "warm-up failures"}

@@ -3,7 +3,14 @@ for every problem kind (mla_verify/kinds): the backend's kind supplies its cases
 that make a failing case smaller.
 
 ``verify`` returns every case run (shrinking attempts included, in order) and, on failure, the shrunk
-minimal failing case with its diagnosis. Reproducible: premerge and dev use a fixed seed and no database.
+minimal failing case with its diagnosis. Reproducible: premerge and dev use a fixed seed and no database;
+fuzz a fresh seed each run unless given one (profiles.run_seed), which the result records.
+
+A user's own cases (``given_cases``: records/cases.py, ``--cases``) of the backend's kind are judged first,
+before the corner cases, in every profile. A failing one ends the search, as a failing explicit example ends
+Hypothesis's: it is the failure, made smaller where its spec rebuilds it and diagnosed like any other. A case
+that stores its tensors (its spec only describes them) is judged in this process even with ``isolate``, as
+``replay`` runs one: the worker rebuilds each case from its spec.
 
 Time bounds hold wherever Hypothesis spends its time: the deadline is checked before each draw (generation,
 targeting and shrinking all draw) as well as before each case, so a run ends within ``minutes`` plus one
@@ -20,10 +27,12 @@ in-process run is. Ctrl-C ends the search and returns what was judged so far (``
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from hypothesis import given, target
@@ -35,18 +44,26 @@ from hypothesis.errors import Flaky, InvalidArgument
 from hypothesis.internal.reflection import function_digest
 
 from ..backends.base import Backend
-from ..draw.profiles import Profile, draws_free_of_local_source, get_profile, hypothesis_settings, hypothesis_storage
+from ..draw.profiles import (
+    Profile,
+    draws_free_of_local_source,
+    get_profile,
+    hypothesis_settings,
+    hypothesis_storage,
+    run_seed,
+    seeded_with_database,
+)
 from ..draw.strategies import Budget, Case, budget_for
 from ..judge.diagnose import explained, says_more
-from ..kinds import ProblemKind, kind_named
+from ..kinds import ProblemKind, kind_named, kind_of
 from ..problems.envelope import DENSE
+from ..problems.layouts import LayoutSpec
 from .harness import SKIP_MEMORY, CaseResult
-from .isolate import CaseJudge, case_judge
+from .isolate import CaseJudge, InProcess, case_judge
 from .simplify import simplify, size
 from .warmup import WarmupResult
 from .watchdog import grace_seconds
 
-DEFAULT_SEED = 20261201
 DEFAULT_KERNEL_SECONDS = 120.0  # one kernel call; FlashInfer's first fa2/fa3 call JIT-compiles (~25 s)
 
 
@@ -64,12 +81,33 @@ class EngineResult:
     interrupted: bool = False  # Ctrl-C: the cases judged until then
     draw_seconds: float = 0.0  # in the strategies, every draw counted (also those that never became a case)
     warmup: WarmupResult | None = None  # its isolated workers' warm-ups, not in ``seconds``
+    given_origin: str | None = None  # where the user's case that failed came from (its file), if one did
 
     @property
     def verdict(self) -> str:
         if self.unavailable:
             return "skip"
         return "fail" if self.failure is not None else "pass"
+
+
+class GivenCase(Protocol):
+    """A user's own case (records/cases.py's ``UserCase``), given rather than drawn: judged before anything is
+    drawn."""
+
+    @property
+    def origin(self) -> str: ...  # its file, for messages
+
+    @property
+    def spec(self) -> Any: ...  # its kind's spec
+
+    @property
+    def layout(self) -> LayoutSpec: ...
+
+    @property
+    def transform(self) -> str: ...
+
+    @property
+    def problem(self) -> Any: ...  # its stored tensors (a problem of its kind), where its spec only describes them
 
 
 class _CaseFailed(AssertionError):
@@ -122,7 +160,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
            on_start: Callable[[Case], None] | None = None,
            kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
            budget: Budget | None = None, isolate: bool = False, judge: CaseJudge | None = None,
-           found: Found | None = None) -> EngineResult:
+           found: Found | None = None, given_cases: Sequence[GivenCase] = ()) -> EngineResult:
     """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
     ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's;
     ``isolate`` judges each case in a worker process; ``judge``: the one ``case_judge`` made for these arguments,
@@ -130,10 +168,11 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     ``found``: a failing case judged before this run, by a search that died on it and that this run cannot
     retrace (supervise.py): with its choice sequence and a ``database``, Hypothesis replays it first (then
     shrinks it, as any failure it finds); else it is this run's failure, made smaller and replayed as a failing
-    corner case is, and nothing is drawn."""
+    corner case is, and nothing is drawn. ``given_cases``: the user's own cases, those of the backend's kind
+    judged first."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
-    seed = DEFAULT_SEED if seed is None else seed
+    seed = run_seed(prof, seed)
     result = EngineResult(backend.name, prof.name, seed, backend.kind)
     started = time.monotonic()
     reason = backend.unavailable_reason(device)
@@ -154,11 +193,16 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     first_warm = _warm_seconds(judge)
     clock.leave_out(waited)
 
-    def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None) -> CaseResult:
+    def judge_of(problem: Any) -> CaseJudge:
+        """The judge of a case: ``judge``, or for a stored problem one that runs it here."""
+        return judge if problem is None else InProcess(backend, device, kernel_seconds, problem.to(device))
+
+    def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None,
+               problem: Any = None) -> CaseResult:
         if on_start is not None:
             on_start(case)
         warmed = _warm_seconds(judge)
-        r = judge(case.spec, case.layout, case.transform, diagnose)
+        r = judge_of(problem)(case.spec, case.layout, case.transform, diagnose)
         clock.leave_out(_warm_seconds(judge) - warmed)  # a worker restarted after a crash warmed up again
         if draw_seconds is not None:
             r.stages = {"draw": draw_seconds, **r.stages}
@@ -174,6 +218,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         return r
 
     corner_failure: CaseResult | None = None
+    given_failure: GivenCase | None = None
     drawn: list[CaseResult] = []  # every failing drawn case, in the order seen
     replay = None if found is None or database is None else found.choices  # drawn again first, by Hypothesis
     if found is not None and replay is None:  # judged already: the failure, as a failing corner case is
@@ -182,8 +227,14 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
             on_case(found.result)
         result.cases.append(found.result)
     try:
+        first, step = prof.share
+        for g in [g for g in given_cases if kind_of(g.spec) is kind and corner_failure is None][first::step]:
+            clock.check()
+            r = record(Case(g.spec, g.layout, g.transform), diagnose=True, problem=g.problem)
+            if r.verdict == "fail":
+                given_failure, corner_failure = g, r  # a failure not drawn, like a corner case's
+                raise _Stop("a case of the user's failed")
         if prof.corner_cases and corner_failure is None:
-            first, step = prof.share
             for case in kind.corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
                 r = record(case, diagnose=True)
@@ -216,18 +267,23 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         smallest = min(reversed(failing),
                        key=lambda r: (not _readable(r), size(Case(r.spec, r.layout, r.metamorphic))))
         result.failure = smallest
+        # a corner case (or a user's) was never shrunk, a drawn one only in Hypothesis's order; a user's case
+        # that stores its tensors has no spec to make smaller
+        stored = None if given_failure is None else given_failure.problem
         try:
-            if not result.interrupted and not clock.expired:  # a corner case was never shrunk; a drawn one,
-                smallest = result.failure = _simplified(backend, kind, smallest, clock, record)  # in its order
+            if not result.interrupted and not clock.expired and stored is None:
+                smallest = result.failure = _simplified(backend, kind, smallest, clock, record)
             if not result.interrupted:
-                result.failure = _replayed(smallest, judge)
+                result.failure = _replayed(smallest, judge_of(stored))
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
+        result.given_origin = None if given_failure is None else given_failure.origin
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
-        result.failure.diagnosis = [f"{d} -- on the larger corner case {corner_failure.spec.describe()}"
-                                    for d in corner_failure.diagnosis]
+        larger = f"case {result.given_origin}" if result.given_origin else \
+            f"corner case {corner_failure.spec.describe()}"
+        result.failure.diagnosis = [f"{d} -- on the larger {larger}" for d in corner_failure.diagnosis]
     if result.failure is not None and failing and not result.interrupted:  # after the borrowing above: a
         # first failing case that is that corner case then tells nothing more
         result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge,
@@ -273,9 +329,9 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
     @hypothesis_settings(prof, max_examples, database)
     @given(_clocked(kind.cases(backend.envelope, budget, prof.fp8_probes), clock))
     def search(case: Case) -> None:
-        # another shard's case: drawn, so that every shard draws the same sequence, and not judged; once this
-        # shard has a failure every case is judged (Hypothesis is shrinking it)
-        if step > 1 and not failures and next(drawn_cases) % step != first:
+        # another shard's case (a deterministic profile's): drawn, so that every shard draws the same sequence,
+        # and not judged; once this shard has a failure every case is judged (Hypothesis is shrinking it)
+        if step > 1 and prof.deterministic and not failures and next(drawn_cases) % step != first:
             clock.drawn()
             return
         r = record(case, draw_seconds=clock.drawn())
@@ -293,10 +349,12 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
         # shrunk yet (one in the primary corpus it takes for shrunk already, and does not shrink)
         key = function_digest(search.hypothesis.inner_test)  # type: ignore[attr-defined]
         database.save(key + b".secondary", replay)
-    if prof.deterministic or database is None:  # Hypothesis ignores the database once a seed is set
+    with_database = not prof.deterministic and database is not None
+    if not with_database:  # Hypothesis ignores the database once a seed is set: seeded_with_database instead
         search = hypothesis_seed(seed)(search)
     try:
-        with hypothesis_storage(), draws_free_of_local_source(prof.deterministic):
+        with hypothesis_storage(), draws_free_of_local_source(prof.deterministic), \
+                seeded_with_database(seed) if with_database else contextlib.nullcontext():
             search()
     except _CaseFailed:
         pass

@@ -46,12 +46,12 @@ from safetensors.torch import load_file, save_file
 
 from ..backends.base import Backend
 from ..core.errors import FixtureError, ProblemError, UsageError
-from ..draw.profiles import Profile, get_profile
+from ..draw.profiles import Profile, get_profile, run_seed
 from ..draw.strategies import Case
 from ..kinds import kind_named
 from ..problems.layouts import LayoutSpec
 from . import watchdog
-from .engine import DEFAULT_KERNEL_SECONDS, DEFAULT_SEED, EngineResult, Found, drawn_choices, verify
+from .engine import DEFAULT_KERNEL_SECONDS, EngineResult, Found, drawn_choices, verify
 from .harness import CaseResult
 from .isolate import (
     EXIT_STUCK,
@@ -105,12 +105,16 @@ def supervised(backend: Backend, device: torch.device | str, profile: str | Prof
     options.pop("judge", None)  # the copy judges in-process, this process by its own isolated worker
     if backend.unavailable_reason(device) is not None:  # nothing runs, nothing to supervise
         return verify(backend, device, profile, **options)
+    prof = get_profile(profile) if isinstance(profile, str) else profile
+    # the seed chosen here: a fresh one (fuzz) drawn in the copy would die with it, and no search taken over
+    # here could retrace the copy's cases
+    options["seed"] = run_seed(prof, options.get("seed"))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mla-verify-search-") as scratch:
         journal = _Journal(Path(scratch), backend, device)
         copy = multiprocessing.get_context("fork").Process(
             target=_search_copy, name=f"mla-verify search ({backend.name})", daemon=True,
-            args=(scratch, os.getpid(), backend, device, profile, options))
+            args=(scratch, os.getpid(), backend, device, prof, options))
         start_copy(copy)
         interrupted = _follow(copy, journal, on_start, on_case)
         if journal.error is not None and journal.error[0] != "KeyboardInterrupt":
@@ -119,10 +123,9 @@ def supervised(backend: Backend, device: torch.device | str, profile: str | Prof
             and journal.result.failure.context_lost
         if journal.result is not None and not lost:
             return journal.result
-        prof = get_profile(profile) if isinstance(profile, str) else profile
         elapsed = time.monotonic() - started
         if interrupted or journal.error is not None:  # Ctrl-C: the cases judged until then
-            return EngineResult(backend.name, prof.name, options.get("seed") or DEFAULT_SEED, backend.kind,
+            return EngineResult(backend.name, prof.name, options["seed"], backend.kind,
                                 cases=journal.cases, interrupted=True, seconds=elapsed)
         ended = ended_by(copy.exitcode, options.get("kernel_seconds", DEFAULT_KERNEL_SECONDS), "it")
         died = "left its device unusable" if lost else f"died ({ended})"

@@ -105,6 +105,7 @@ def assign_worker(request: DeviceRequest, worker: str | None, slot: int | None,
 
 # a thread count the user chose: left as it is
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator backs large tensors with huge pages when "1"
 
 
 def available_cores() -> int:
@@ -138,3 +139,18 @@ class SlotTable:
 
     def release(self, worker_id: str) -> None:
         self._held.pop(worker_id, None)
+
+
+def cpu_run_settings(threads: int = 1) -> None:
+    """How `check`, `replay` and a pytest run on a CPU device (the plugin) run torch, unless the environment
+    says otherwise (docs/verified.md): ``threads`` torch threads (replay: the recorded run's count) unless
+    OMP_NUM_THREADS is set."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # the cases are small: a second thread gains little on an idle machine, and on shared cores each op
+        # waits for the thread that is not scheduled
+        torch.set_num_threads(threads)
+    # torch's CPU allocator then backs each tensor of 2 MiB or more with huge pages. A case's large tensors are
+    # mapped afresh, and with 4 KiB pages the page faults were half of a CPU premerge run. Blocks are handed
+    # out and reused as before, so the poison priming of harness._invoke is unchanged. torch reads the
+    # variable at its first allocation, which no case has made yet.
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")

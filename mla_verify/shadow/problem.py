@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..core.dims import MLADims
-from ..problems.generate import ProblemSpec, dtype_name
+from ..problems import generate
+from ..problems.generate import ProblemSpec
 from ..problems.layouts import LayoutSpec, canonical_cache, padded_width
 from ..problems.packed import FORMATS, dequantize
 from ..problems.problem import DecodeProblem
@@ -49,16 +50,8 @@ def live_layout(args: PagedArgs, pass_out: bool, return_lse: bool, table_width: 
 
 
 def describing_spec(problem: DecodeProblem) -> ProblemSpec:
-    """The spec whose parameters are this problem's (bmm1 as the softmax scale, bmm2 as the extra factor)."""
-    p = problem
-    used = p.pages_used()
-    return ProblemSpec(seq_lens=tuple(p.seq_lens.tolist()), q_len=p.q_len, num_heads=p.num_heads,
-                       page_size=p.page_size, kv_lora_rank=p.dims.kv_lora_rank,
-                       qk_rope_head_dim=p.dims.qk_rope_head_dim, qk_nope_head_dim=p.dims.qk_nope_head_dim,
-                       dtype=dtype_name(p), softmax_scale=p.bmm1_scale, bmm2_extra=p.bmm2_scale,
-                       extra_pages=max(0, p.num_pages - int(used.sum())),
-                       table_pad=p.block_table.shape[1] - int(used.max()), values=LIVE_VALUES,
-                       max_seq_len=p.max_seq_len, window_left=p.window_left, q_lens=p.q_lens)
+    """The spec whose parameters are this live call's (generate.describing_spec), its values ``"live"``."""
+    return generate.describing_spec(problem, LIVE_VALUES)
 
 
 def compact(problem: DecodeProblem, rows: list[int] | None = None) -> DecodeProblem:

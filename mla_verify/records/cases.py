@@ -1,0 +1,132 @@
+"""A user's own cases (``check --cases DIR``, ``pytest --mla-cases DIR``): problems a kernel engineer knows
+matter, judged first in every profile, on every dense backend the run checks (run/engine.py).
+
+A case is a ``*.json`` file in DIR (not its subfolders), in one of two forms (docs/cli.md, "Your own cases"):
+
+- a spec: ``{"spec": {"seq_lens": [257], "q_len": 2}}`` -- ProblemSpec's fields, ``seq_lens`` the one
+  required (problems/generate.py gives the others' defaults), optionally ``"layout"`` (LayoutSpec's fields)
+  and ``"metamorphic"`` (one of problems/metamorphic.TRANSFORMS, default "none"). Its problem is built from
+  the spec, as a drawn case's is.
+- a fixture (``"format": "mla-verify-fixture"``, records/fixtures.py): a reproducer from an earlier run
+  dropped in as a regression case, a golden fixture, a shadow reproducer, or tensors saved with
+  ``save_case``. One that stores its problem's tensors is judged on them, with or without a spec: tensors and
+  scalars say everything (a spec only names the case; ``describing_spec`` writes one). One that stores none
+  is rebuilt from its spec.
+
+A file that is neither, or a case no backend could be given (a field that does not exist or has the wrong
+type, lengths no problem can have), is refused with one line naming the file, before any case runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.dims import MLADims
+from ..core.errors import FixtureError, MLAVerifyError, UsageError, did_you_mean
+from ..problems.generate import ProblemSpec, build_problem, describing_spec
+from ..problems.json_fields import FieldCheck, checked_fields, is_int
+from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS, LayoutSpec, canonical_cache
+from ..problems.metamorphic import TRANSFORMS
+from ..problems.problem import DecodeProblem
+from .fixtures import FORMAT, Fixture, load_fixture, save_fixture
+
+SPEC_CASE_KEYS = ("spec", "layout", "metamorphic")  # a hand-written case's fields
+STORED_VALUES = "stored"  # the describing spec's ``values`` of stored tensors: "stored:<their sha256, cut>"
+_LAYOUT_FIELDS: dict[str, FieldCheck] = {
+    "cache_dims": (lambda v: v in CACHE_DIMS, f"one of {list(CACHE_DIMS)}"),
+    "page_stride_pad": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "table_width": (lambda v: v in TABLE_WIDTHS, f"one of {list(TABLE_WIDTHS)}"),
+    "pass_out": (lambda v: isinstance(v, bool), "true or false"),
+    "return_lse": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+@dataclass(frozen=True)
+class UserCase:
+    """One case of the user's (run/engine.py's ``GivenCase``)."""
+
+    origin: str  # the file it came from
+    spec: ProblemSpec  # rebuilds the problem, or (with ``problem``) describes it
+    layout: LayoutSpec
+    transform: str = "none"
+    problem: DecodeProblem | None = None  # the stored tensors (on CPU), where the spec does not rebuild them
+
+
+def load_cases(directory: str | os.PathLike, flag: str = "--cases") -> list[UserCase]:
+    """Every case in ``directory``, in file-name order; UsageError or FixtureError (one line) on the first that
+    cannot be one, and on a directory that holds none."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise UsageError(f"{flag}: {folder} " + ("is not a directory" if folder.exists() else "does not exist"))
+    paths = sorted(folder.glob("*.json"))
+    if not paths:
+        raise UsageError(f"{flag}: {folder} holds no case (*.json files; docs/cli.md, \"Your own cases\")")
+    return [load_case(path) for path in paths]
+
+
+def load_case(path: Path) -> UserCase:
+    """The case in ``path``: a hand-written spec or a fixture (the module docstring)."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except OSError as e:
+        raise FixtureError(f"{path}: cannot read: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FixtureError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
+    if isinstance(meta, dict) and "format" in meta:
+        return _from_fixture(path)
+    if not isinstance(meta, dict) or "spec" not in meta:
+        raise FixtureError(f"{path}: neither a case ({{\"spec\": {{\"seq_lens\": [...], ...}}}}) nor an mla-verify "
+                           f"fixture (\"format\": \"{FORMAT}\")")
+    unknown = sorted(set(meta) - set(SPEC_CASE_KEYS))
+    if unknown:
+        raise FixtureError(f"{path}: unknown field {unknown[0]!r}{did_you_mean(unknown[0], SPEC_CASE_KEYS)}; a case "
+                           f"holds {', '.join(SPEC_CASE_KEYS)}")
+    if isinstance(meta["spec"], dict) and "seq_lens" not in meta["spec"]:
+        raise FixtureError(f"{path}: spec: seq_lens (the KV length of each request) is required")
+    try:
+        spec = ProblemSpec.from_json(meta["spec"])
+        layout = LayoutSpec(**checked_fields(meta.get("layout", {}), _LAYOUT_FIELDS, "layout"))
+        build_problem(spec)  # its lengths, dtype, values and scales, checked now rather than in a case
+    except MLAVerifyError as e:
+        raise FixtureError(f"{path}: {e}") from None
+    transform = meta.get("metamorphic", "none")
+    if transform not in TRANSFORMS:
+        raise FixtureError(f"{path}: metamorphic {transform!r} is not one of {list(TRANSFORMS)}")
+    return UserCase(str(path), spec, layout, transform)
+
+
+def _from_fixture(path: Path) -> UserCase:
+    fx = load_fixture(path)  # its own one-line errors
+    return UserCase(str(path), fixture_spec(fx), fx.layout, fx.meta.get("metamorphic", "none"), fx.problem)
+
+
+def fixture_spec(fx: Fixture) -> ProblemSpec:
+    """The spec of a fixture's case: the one it records, else (its tensors stored, no spec) one describing
+    them, its ``values`` naming their hash so that two such cases have two ids."""
+    if fx.spec is not None:
+        return fx.spec
+    assert fx.problem is not None  # load_fixture refuses a fixture with neither
+    return describing_spec(fx.problem, f"{STORED_VALUES}:{str(fx.meta.get('tensors_sha256'))[:16]}")
+
+
+def save_case(directory: str | os.PathLike, name: str, *, query: torch.Tensor, kv_cache: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, kv_lora_rank: int, bmm1_scale: float,
+              bmm2_scale: float = 1.0, qk_nope_head_dim: int = 128, layout: LayoutSpec | None = None,
+              extra: dict[str, Any] | None = None) -> Path:
+    """Tensors of a call of yours as a case: ``<directory>/<name>.json`` and ``.safetensors``, the arguments
+    named as Contract 1 names them (a 4-D or page-strided cache is stored as its 3-D pages). ``layout``
+    (default: the cache's rank, out passed, LSE asked) is how the case is laid out for each kernel; ``extra``
+    goes into the JSON (a note, where the call came from). Returns the JSON's path; ProblemError (one line)
+    when the tensors are not a decode problem."""
+    cache = canonical_cache(kv_cache)
+    dims = MLADims(kv_lora_rank, cache.shape[-1] - kv_lora_rank, qk_nope_head_dim, num_heads=query.shape[2])
+    problem = DecodeProblem(query, cache.contiguous(), block_tables, seq_lens, dims, float(bmm1_scale),
+                            float(bmm2_scale)).validate()
+    layout = layout or LayoutSpec(cache_dims=kv_cache.dim())
+    meta = {**(extra or {}), "kind": "case", "layout": layout.to_json(), "metamorphic": "none"}
+    return save_fixture(directory, name, problem, meta)
