@@ -4,6 +4,11 @@ per-worker device assignment for ``pytest -n auto`` (see workers.py and docs/pyt
 
 Every option is read from the command line, else ``MLA_VERIFY_<NAME>`` in the environment, else the ini
 key ``mla_<name>``, else its default. Shadow mode's options (``--mla-shadow`` ...) live in shadow_pytest.py.
+
+A random profile (fuzz) without ``--mla-seed`` draws from a fresh seed, picked once per run (by xdist's
+controller, handed to every worker) and printed in the header. Torch's threads are set as ``mla-verify check``
+sets them (docs/pytest.md, "Threads"). When several shards of one backend fail, the summary names their
+failures smallest first.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -22,17 +27,32 @@ import torch
 
 from .backends import Backend, all_backends
 from .backends.user_kernel import load_kernel
-from .core.errors import UsageError, did_you_mean
+from .core.errors import MLAVerifyError, UsageError, did_you_mean
 from .draw.hypothesis_db import resolve_database
-from .draw.profiles import PROFILES
-from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, verify_backend, verify_kernel
+from .draw.profiles import PROFILES, run_seed
+from .pytest_helpers import DEFAULT_FIXTURES_DIR, Shard, failure_record, verify_backend, verify_kernel
+from .records.cases import load_cases
 from .run.supervise import IN_PROCESS, ISOLATED, how_to_run
 from .run.warmup import WarmupResult, warm_up
-from .run.workers import Assignment, DeviceRequest, SlotTable, assign_worker, parse_device_request, worker_threads
+from .run.workers import (
+    HUGE_PAGES_ENV,
+    THREAD_ENV,
+    Assignment,
+    DeviceRequest,
+    SlotTable,
+    assign_worker,
+    cpu_run_settings,
+    parse_device_request,
+    worker_threads,
+)
 
 # premerge is derandomized: a plain `pytest` run gives the same cases on any number of workers and GPUs.
 DEFAULT_PROFILE = "premerge"
 SLOT_INPUT = "mla_verify_slot"  # key in xdist's workerinput: the slot the controller gave this worker
+SEED_INPUT = "mla_verify_seed"  # key in xdist's workerinput: the run's seed, the same for every worker
+# torch's thread count before any conftest or test ran (pytest imports its plugins first): a count that differs
+# when the run configures was set by the user (torch.set_num_threads), and is left as it is
+TORCH_THREADS_AT_IMPORT = torch.get_num_threads()
 
 pytest_plugins = ["mla_verify.pytest_shadow"]  # --mla-shadow: checks the MLA decode calls any test makes
 
@@ -55,12 +75,14 @@ class MLAOptions:
     shards: int | None = None  # tests per backend (None: one per xdist worker); pytest_helpers.Shard
     fixtures_dir: str = str(DEFAULT_FIXTURES_DIR)  # where failing tests write their reproducers
     isolate: bool | None = None  # None: supervised where the process can fork, else as the test's kind says
+    cases: str | None = None  # a directory of the user's own cases (records/cases.py), judged first
+    seed_fresh: bool = False  # ``seed`` was picked for this run (a random profile without --mla-seed)
 
     def verify_options(self, device: torch.device, shard: Shard) -> dict[str, Any]:
         """The keyword arguments of ``pytest_helpers.verify_backend`` / ``verify_kernel`` for this run."""
         return dict(device=device, profile=self.profile, seed=self.seed, shard=shard,
                     hypothesis_db=self.hypothesis_db, fixtures_dir=self.fixtures_dir, isolate=self.isolate,
-                    otherwise=self.otherwise)
+                    otherwise=self.otherwise, cases=self.cases)
 
     @property
     def otherwise(self) -> str:
@@ -78,7 +100,8 @@ _OPTION_HELP = (
     ("device", "DEVICE", "cpu, cuda, cuda:N or auto (default auto: each xdist worker takes a visible GPU "
                          "round-robin, cpu when there is none)"),
     ("profile", "NAME", f"Hypothesis profile: {', '.join(PROFILES)} (default {DEFAULT_PROFILE})"),
-    ("seed", "N", "Hypothesis seed (default: the profile's)"),
+    ("seed", "N", "Hypothesis seed (default: premerge and dev their fixed one; fuzz a fresh one each run, printed in "
+                  "the header)"),
     ("hypothesis_db", "DB", "Hypothesis example database: a directory or redis://host:port/db"),
     ("shards", "N", "split each backend's and kernel's verification into N tests, each judging every N-th case "
                     "(default: the number of xdist workers, 1 without xdist)"),
@@ -87,6 +110,8 @@ _OPTION_HELP = (
                           "crash ends (default: on the CPU the search in a copy of the test's process, going on "
                           "with every case isolated if a kernel crashes it; on a GPU on for --mla-kernel, off for "
                           "the mla_verify_kernel fixture)"),
+    ("cases", "DIR", "your own cases, judged first in every profile: *.json files, each a spec or a fixture "
+                     "(docs/cli.md, \"Your own cases\")"),
 )
 
 
@@ -142,40 +167,79 @@ def read_options(config: pytest.Config) -> MLAOptions:
     isolate = _raw(config, "isolate")
     if isolate not in (None, "on", "off"):
         raise UsageError(f"--mla-isolate: {isolate!r} is not on or off")
+    cases = _raw(config, "cases")
+    if cases is not None:
+        cases = str(config.invocation_params.dir / cases)
+        load_cases(cases, "--mla-cases")  # a bad case file is one line now, not in every test
     return MLAOptions(backends=backends, kernel=kernel,
                       device=parse_device_request(_raw(config, "device") or "auto"), profile=profile,
                       seed=seed, hypothesis_db=database, shards=None if shards_text is None else int(shards_text),
                       fixtures_dir=str(config.invocation_params.dir / fixtures_dir),
-                      isolate=None if isolate is None else isolate == "on")
+                      isolate=None if isolate is None else isolate == "on", cases=cases)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU that can run the backend under test")
     config.addinivalue_line("markers", "slow: long-running (fuzz sessions, large problems)")
+    workerinput = getattr(config, "workerinput", None)
     try:
-        config.stash[_OPTIONS_KEY] = options = read_options(config)
-        if not hasattr(config, "workerinput"):  # the only process, or xdist's controller: fail here, once
+        options = read_options(config)
+        if options.seed is None and not PROFILES[options.profile].deterministic:  # one seed for the whole run
+            seed = workerinput[SEED_INPUT] if workerinput else run_seed(PROFILES[options.profile], None)
+            options = replace(options, seed=seed, seed_fresh=True)
+        config.stash[_OPTIONS_KEY] = options
+        if workerinput is None:  # the only process, or xdist's controller: fail here, once
             config.stash[_ASSIGNMENT_KEY] = assign_worker(options.device, None, None)
-    except UsageError as e:
+    except MLAVerifyError as e:
         raise pytest.UsageError(str(e)) from None
-    if not hasattr(config, "workerinput"):
+    if workerinput is None:
         config.stash[_SLOTS_KEY] = SlotTable()
         config.pluginmanager.register(DeviceTally(), "mla-verify-device-tally")
-    else:  # an xdist worker: its share of the cores, so `-n auto` is not slower than one process on CPU
-        threads = worker_threads(int(config.workerinput["workercount"]))
-        if threads is not None:
-            torch.set_num_threads(threads)
+    _set_threads(config)  # in xdist's controller too: its workers start with its environment
+
+
+def _set_threads(config: pytest.Config) -> None:
+    """Torch's threads for this test process, as `mla-verify check` sets them: on a CPU device one thread
+    (workers.cpu_run_settings); an xdist worker on a GPU its share of the cores (workers.worker_threads: with
+    one thread per core in each, every op would wait at its barrier for a thread another worker holds).
+    Unless the user chose a count: OMP_NUM_THREADS or MKL_NUM_THREADS, or torch.set_num_threads before the run
+    (a conftest). The count and the environment are as they were again when the run ends (pytester runs
+    pytest in the test's own process)."""
+    if any(os.environ.get(name) for name in THREAD_ENV) or torch.get_num_threads() != TORCH_THREADS_AT_IMPORT:
+        return
+    before, huge_pages = torch.get_num_threads(), os.environ.get(HUGE_PAGES_ENV)
+    try:
+        on_cpu = _assignment(config).run_device == "cpu"
+    except UsageError:  # said by the first test that needs the device
+        return
+    workerinput = getattr(config, "workerinput", None)
+    if on_cpu:
+        cpu_run_settings()
+    elif workerinput is not None:
+        torch.set_num_threads(worker_threads(int(workerinput["workercount"])) or before)
+
+    def restore() -> None:
+        torch.set_num_threads(before)
+        if huge_pages is None:
+            os.environ.pop(HUGE_PAGES_ENV, None)
+
+    config.add_cleanup(restore)
 
 
 def worker_assignment(config: pytest.Config) -> Assignment:
     """This process's device: decided in pytest_configure outside xdist workers, else on first use."""
+    try:
+        return _assignment(config)
+    except UsageError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def _assignment(config: pytest.Config) -> Assignment:
+    """``worker_assignment``, its errors UsageError."""
     if _ASSIGNMENT_KEY not in config.stash:
         workerinput = getattr(config, "workerinput", None)
         worker, slot = (workerinput["workerid"], workerinput[SLOT_INPUT]) if workerinput else (None, None)
-        try:
-            config.stash[_ASSIGNMENT_KEY] = assign_worker(config.stash[_OPTIONS_KEY].device, worker, slot)
-        except UsageError as e:
-            pytest.fail(str(e), pytrace=False)
+        config.stash[_ASSIGNMENT_KEY] = assign_worker(config.stash[_OPTIONS_KEY].device, worker, slot)
     return config.stash[_ASSIGNMENT_KEY]
 
 
@@ -248,6 +312,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         items.append(KernelItem.from_parent(session, name=name, nodeid=name, shard=Shard(k, count)))
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The seed a random profile draws from, so that any run can be drawn again."""
+    options = config.stash[_OPTIONS_KEY]
+    if options.seed is None:
+        return []
+    fresh = f" (fresh for this run; --mla-seed {options.seed} draws the same cases again)" if options.seed_fresh \
+        else ""
+    return [f"mla-verify: {options.profile} profile, seed {options.seed}{fresh}"]
+
+
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
     """pytest's "collected N items" counts the files' tests only: say that the kernel's were added to them."""
     added = sum(isinstance(item, KernelItem) for item in items)
@@ -293,11 +367,23 @@ def _warm_up(config: pytest.Config, device: torch.device) -> WarmupResult:
                    load=how_to_run(options.isolate, device, options.otherwise) != ISOLATED)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed verification's record (pytest_helpers.failure_record) rides on its report to the summary, from
+    whichever worker ran it."""
+    report = yield
+    record = None if call.excinfo is None else failure_record(call.excinfo.value)
+    if record is not None:
+        report.user_properties.append((FAILURE_PROPERTY, record))
+    return report
+
+
 # --- controller side under xdist (optional hooks: xdist may not be installed) ---
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     node.workerinput[SLOT_INPUT] = node.config.stash[_SLOTS_KEY].claim(node.gateway.id)
+    node.workerinput[SEED_INPUT] = node.config.stash[_OPTIONS_KEY].seed
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -309,6 +395,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 NEEDS_GPU = "skipped (need a GPU)"  # a DeviceTally outcome: a device test skipped on a CPU worker for want of one
+FAILURE_PROPERTY = "mla_failure"  # a report's user property: a failed verification's failure_record
 
 
 class DeviceTally:
@@ -321,9 +408,12 @@ class DeviceTally:
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, str]] = Counter()  # (worker, device label, outcome) -> tests
         self.warmups: dict[tuple[str, str], Any] = {}  # (worker, device label) -> WarmupResult.run_fields()
+        self.failures: list[dict[str, Any]] = []  # failure records, as their reports came in
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(p for p in report.user_properties if len(p) == 2)
+        if report.when == "call" and isinstance(failure := props.get(FAILURE_PROPERTY), dict):
+            self.failures.append(failure)
         if "mla_device" not in props:
             return
         if "mla_warmup" in props:
@@ -339,6 +429,28 @@ class DeviceTally:
             terminalreporter.write_sep("-", "mla-verify devices")
             for line in summary_lines(self.counts) + warmup_lines(self.warmups):
                 terminalreporter.write_line(line)
+        if lines := shard_failure_lines(self.failures):
+            terminalreporter.write_sep("-", "mla-verify failures across shards, smallest first")
+            for line in lines:
+                terminalreporter.write_line(line)
+
+
+def shard_failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    """For each backend that failed in several shards: its failures, the smallest minimal case first (each
+    shard shrank its own; the smallest is the one to read), each with its shard, reason and reproducer."""
+    lines = []
+    by_backend: dict[str, list[dict[str, Any]]] = {}
+    for f in failures:
+        by_backend.setdefault(f["backend"], []).append(f)
+    for backend, found in by_backend.items():
+        if len(found) < 2:
+            continue
+        found.sort(key=lambda f: (list(f["size"]), f["shard"]))
+        lines.append(f"mla-verify: {backend} failed in {len(found)} shards; the smallest failure first:")
+        for f in found:
+            lines += [f"  {f['shard']}: {f['reason']}", f"    case: {f['case']}",
+                      f"    reproducer: {f['reproducer'] or 'none written'}"]
+    return lines
 
 
 def _needs_gpu(report: pytest.TestReport, device: str) -> bool:

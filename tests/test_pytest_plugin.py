@@ -36,7 +36,7 @@ def test_options(mla_options):
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in ("BACKEND", "KERNEL", "DEVICE", "PROFILE", "SEED", "HYPOTHESIS_DB", "SHARDS", "FIXTURES_DIR",
-                 "ISOLATE"):
+                 "ISOLATE", "CASES"):
         monkeypatch.delenv(f"MLA_VERIFY_{name}", raising=False)
     monkeypatch.delenv(FAKE_GPU_ENV, raising=False)
     return monkeypatch
@@ -45,7 +45,8 @@ def clean_env(monkeypatch):
 def test_defaults(pytester, clean_env):
     expected = ("MLAOptions(backends=(), kernel=None, device=DeviceRequest('auto'), profile='premerge', "
                 "seed=None, hypothesis_db=None, shards=None, "
-                "fixtures_dir=os.path.join(os.getcwd(), 'fixtures', 'regressions'), isolate=None)")
+                "fixtures_dir=os.path.join(os.getcwd(), 'fixtures', 'regressions'), isolate=None, cases=None, "
+                "seed_fresh=False)")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     pytester.runpytest(*QUIET).assert_outcomes(passed=1)
 
@@ -58,7 +59,7 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     clean_env.setenv("MLA_VERIFY_KERNEL", "pkg.mod:from_env")  # CLI beats env
     expected = ("MLAOptions(backends=('fa2', 'fa3'), kernel='mla_verify.kernels.mutants:correct_kernel', "
                 "device=DeviceRequest('cpu'), profile='dev', seed=7, hypothesis_db='/tmp/db-from-ini', shards=3, "
-                "fixtures_dir=os.path.join(os.getcwd(), 'from-env'), isolate=None)")
+                "fixtures_dir=os.path.join(os.getcwd(), 'from-env'), isolate=None, cases=None, seed_fresh=False)")
     pytester.makepyfile(OPTIONS_CHECK.format(expected=expected))
     # -k: only the options check, not the kernel tests --mla-kernel adds
     pytester.runpytest(*QUIET, "--mla-kernel", "mla_verify.kernels.mutants:correct_kernel", "--mla-device", "cpu",
@@ -85,6 +86,7 @@ def test_command_line_beats_environment_beats_ini(pytester, clean_env):
     ([], {"MLA_VERIFY_BACKEND": "fa3,nope"}, "ERROR: --mla-backend: unknown backend 'nope'; known: *"),
     (["--mla-kernel", "no_such_pkg.mod:fn"], {}, "ERROR: --mla-kernel: kernel module 'no_such_pkg.mod' not found*"),
     (["--mla-hypothesis-db", "http://localhost/db"], {}, "ERROR: *"),
+    (["--mla-cases", "nowhere"], {}, "ERROR: --mla-cases: */nowhere does not exist"),
 ])
 def test_bad_option_is_one_usage_line(pytester, clean_env, args, env, message):
     for name, value in env.items():
@@ -254,6 +256,20 @@ def test_the_warm_up_runs_once_per_process_before_the_first_kernel_test(pytester
     result.assert_outcomes(passed=1)  # a failed warm-up is said; the kernel's tests judge what happens next
     result.stdout.fnmatch_lines(
         ["mla-verify:   warm-up failed: building mod-b raised RuntimeError: nvcc: fatal error*"])
+
+
+def test_failures_of_several_shards_are_listed_smallest_first():
+    def failed(shard: str, size: list[int], backend: str = "k:decode") -> dict:
+        return {"backend": backend, "shard": shard, "size": size, "reason": f"wrong in {shard}",
+                "case": f"case of {shard}", "reproducer": f"{shard}.json"}
+
+    lines = pytest_plugin.shard_failure_lines([failed("shard1of3", [900, 2]), failed("shard2of3", [40, 3]),
+                                               failed("shard3of3", [40, 1]), failed("", [1, 1], "alone:decode")])
+    assert lines[0] == "mla-verify: k:decode failed in 3 shards; the smallest failure first:"
+    assert [line.split(":")[0].strip() for line in lines[1::3]] == ["shard3of3", "shard2of3", "shard1of3"]
+    assert lines[1:4] == ["  shard3of3: wrong in shard3of3", "    case: case of shard3of3",
+                          "    reproducer: shard3of3.json"]
+    assert not any("alone" in line for line in lines)  # one failing test says it all
 
 
 def test_summary_orders_workers_and_devices_numerically():
