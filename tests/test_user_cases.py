@@ -111,12 +111,12 @@ def test_a_reproducer_of_an_earlier_run_is_a_regression_case(tmp_path, capsys):
     ("{not json", "not valid JSON"),
     ("[1, 2]", "neither a case"),
     ('{"specs": {"seq_lens": [4]}}', "neither a case"),
-    ('{"spec": {"seq_lens": [4]}, "layuot": {}}', "unknown field 'layuot' \\(did you mean 'layout'"),
+    ('{"spec": {"seq_lens": [4]}, "layuot": {}}', "case: unknown field\\(s\\) \\['layuot'\\]"),
     ('{"spec": {"q_len": 2}}', "seq_lens .* is required"),
     ('{"spec": {"seq_lens": [1], "q_len": 2}}', "seq_lens\\[0\\] = 1 is shorter than q_len = 2"),
     ('{"spec": {"seq_lens": [4], "heads": 2}}', "unknown field\\(s\\) \\['heads'\\]"),
     ('{"spec": {"seq_lens": [4]}, "layout": {"cache_dims": 5}}', "'cache_dims' = 5 is not one of \\[3, 4\\]"),
-    ('{"spec": {"seq_lens": [4]}, "metamorphic": "bogus"}', "metamorphic 'bogus' is not one of"),
+    ('{"spec": {"seq_lens": [4]}, "metamorphic": "bogus"}', "'metamorphic' = 'bogus' is not one of"),
     ('{"format": "mla-verify-fixture", "format_version": 2, "spec": {"seq_lens": [4]}}', "safetensors: missing"),
 ])
 def test_a_file_that_is_no_case_is_one_line(tmp_path, content, match):

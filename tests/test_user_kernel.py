@@ -116,6 +116,8 @@ def test_loading_errors_are_one_line_usage_errors(kernels: str, target: str, com
     ({"batch_sizes": [2.5]}, "'batch_sizes' must be"),
     ({"windows": []}, "'windows' must be"),
     ({"windows": [-1]}, "'windows' must be"),
+    ({"split_sizes": [0]}, "'split_sizes' must be a list of ints >= 1"),
+    ({"special_lengths": 4096}, "'special_lengths' must be a list of ints >= 1"),
 ])
 def test_bad_envelope_values_are_named(overrides, complaint: str) -> None:
     with pytest.raises(UsageError, match=complaint):
@@ -128,6 +130,7 @@ def test_every_envelope_field_can_be_declared() -> None:
     declared = envelope_from_overrides({"dims": [[512, 64], [256, 64]], "dims_by_dtype": [["fp8", [[512, 64]]]]})
     assert declared.dims_for("fp8") == ((512, 64),) and declared.dims_for("bf16") == ((512, 64), (256, 64))
     assert envelope_from_overrides({"windows": [None, 128], "q_lens": [1, 4]}).windows == (None, 128)
+    assert envelope_from_overrides({"split_sizes": [256, 64]}).split_sizes == (256, 64)
 
 
 # ---------------------------------------------------------------- where a kernel is found

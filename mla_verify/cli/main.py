@@ -551,7 +551,9 @@ def envelope_summary(env: Any) -> str:
             f"{'/'.join(env.dtypes)}; q_len {env.q_len[0]}-{env.q_len[1]}"
             f"{' (also ragged, per request)' if env.ragged_q else ''}; "
             f"{'/'.join(f'{d}D' for d in env.cache_dims)} cache{', strided' if env.page_strided else ''}; "
-            f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}")
+            f"LSE {'base ' + ('2' if env.lse_base == 2 else 'e') if env.lse else 'no'}"
+            + (f"; splits of {'/'.join(map(str, env.split_sizes))} tokens" if env.split_sizes else "")
+            + (f"; special lengths {'/'.join(map(str, env.special_lengths))}" if env.special_lengths else ""))
 
 
 def sparse_envelope_summary(env: Any) -> str:

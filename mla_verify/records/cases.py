@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.dims import MLADims
-from ..core.errors import FixtureError, MLAVerifyError, UsageError, did_you_mean
+from ..core.errors import FixtureError, MLAVerifyError, UsageError
 from ..problems.generate import ProblemSpec, build_problem, describing_spec
 from ..problems.json_fields import FieldCheck, checked_fields, is_int
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS, LayoutSpec, canonical_cache
@@ -35,8 +35,12 @@ from ..problems.metamorphic import TRANSFORMS
 from ..problems.problem import DecodeProblem
 from .fixtures import FORMAT, Fixture, load_fixture, save_fixture
 
-SPEC_CASE_KEYS = ("spec", "layout", "metamorphic")  # a hand-written case's fields
 STORED_VALUES = "stored"  # the describing spec's ``values`` of stored tensors: "stored:<their sha256, cut>"
+_CASE_FIELDS: dict[str, FieldCheck] = {  # a hand-written case's (its spec's and layout's are checked on their own)
+    "spec": (lambda v: True, "a spec"),
+    "layout": (lambda v: True, "a layout"),
+    "metamorphic": (lambda v: v in TRANSFORMS, f"one of {list(TRANSFORMS)}"),
+}
 _LAYOUT_FIELDS: dict[str, FieldCheck] = {
     "cache_dims": (lambda v: v in CACHE_DIMS, f"one of {list(CACHE_DIMS)}"),
     "page_stride_pad": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
@@ -82,22 +86,16 @@ def load_case(path: Path) -> UserCase:
     if not isinstance(meta, dict) or "spec" not in meta:
         raise FixtureError(f"{path}: neither a case ({{\"spec\": {{\"seq_lens\": [...], ...}}}}) nor an mla-verify "
                            f"fixture (\"format\": \"{FORMAT}\")")
-    unknown = sorted(set(meta) - set(SPEC_CASE_KEYS))
-    if unknown:
-        raise FixtureError(f"{path}: unknown field {unknown[0]!r}{did_you_mean(unknown[0], SPEC_CASE_KEYS)}; a case "
-                           f"holds {', '.join(SPEC_CASE_KEYS)}")
     if isinstance(meta["spec"], dict) and "seq_lens" not in meta["spec"]:
         raise FixtureError(f"{path}: spec: seq_lens (the KV length of each request) is required")
     try:
+        checked_fields(meta, _CASE_FIELDS, "case")
         spec = ProblemSpec.from_json(meta["spec"])
         layout = LayoutSpec(**checked_fields(meta.get("layout", {}), _LAYOUT_FIELDS, "layout"))
         build_problem(spec)  # its lengths, dtype, values and scales, checked now rather than in a case
     except MLAVerifyError as e:
         raise FixtureError(f"{path}: {e}") from None
-    transform = meta.get("metamorphic", "none")
-    if transform not in TRANSFORMS:
-        raise FixtureError(f"{path}: metamorphic {transform!r} is not one of {list(TRANSFORMS)}")
-    return UserCase(str(path), spec, layout, transform)
+    return UserCase(str(path), spec, layout, meta.get("metamorphic", "none"))
 
 
 def _from_fixture(path: Path) -> UserCase:
