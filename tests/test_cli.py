@@ -167,6 +167,21 @@ def test_different_seeds_draw_different_cases(capsys, tmp_path):
     assert ids[0] != ids[1]
 
 
+def test_fuzz_prints_its_fresh_seed_first_and_the_report_records_it(capsys, tmp_path):
+    short = ["--kernel", GOOD, "--device", "cpu", "--profile", "fuzz", "--max-examples", "3", "--minutes", "0.02"]
+    code, out, err = run_main(capsys, "check", *short, "--report", tmp_path / "fresh.json")
+    assert code == 0, out + err
+    seed = int(re.match(r"seed: (\d+) \(fresh for this run; --seed (\d+) draws the same cases again\)\n", out)[1])
+    run = json.loads((tmp_path / "fresh.json").read_text())["run"]
+    assert run["seed"] == seed and run["seed_fresh"] is True
+    code, out, err = run_main(capsys, "check", *short, "--seed", seed, "--report", tmp_path / "given.json")
+    assert code == 0 and out.startswith(f"seed: {seed}\n")
+    assert "seed_fresh" not in json.loads((tmp_path / "given.json").read_text())["run"]
+    code, out, err = run_main(capsys, "check", "--kernel", GOOD, *FAST, "--report", tmp_path / "dev.json")
+    assert code == 0 and not out.startswith("seed:")  # a seeded profile: its fixed seed, as before
+    assert json.loads((tmp_path / "dev.json").read_text())["run"]["seed"] is None
+
+
 def test_failure_writes_a_fixture_that_replays_bit_identically(capsys, tmp_path):
     fixtures_dir = tmp_path / "regressions"
     code, out, err = run_main(capsys, "check", "--kernel", BAD, *FAST, "--fixtures-dir", fixtures_dir,
