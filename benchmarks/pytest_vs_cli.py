@@ -52,7 +52,8 @@ def run_once(kind: str, kernel: str, source: Path) -> dict[str, Any]:
 def markdown(record: dict[str, Any]) -> str:
     lines = ["# pytest --mla-kernel against mla-verify check, premerge on CPU", "",
              f"Machine: {machine_line(record['machine'])}. Kernel `{record['kernel']}`; code from "
-             f"`{record['source']}`; no OMP_NUM_THREADS. Runs alternate, one process at a time.", "",
+             f"`{record['source']}` (commit {record['source_commit']}); no OMP_NUM_THREADS. Runs alternate, one "
+             "process at a time.", "",
              f"| pair | command | wall s | CPU s | exit | {LOAD_HEADER} |", "|---|---|---|---|---|---|---|---|"]
     for i, run in enumerate(record["runs"]):
         lines.append(f"| {i // 2 + 1} | {run['kind']} | {run['wall_s']} | {run['cpu_s']} | {run['exit_code']} | "
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"others kept {runs[-1]['others_cores']} cores busy", flush=True)
     walls = {kind: [r["wall_s"] for r in runs if r["kind"] == kind] for kind in ("check", "pytest")}
     ratios = [round(p / c, 2) for c, p in zip(walls["check"], walls["pytest"])]
-    record = {"machine": machine_record(), "kernel": ns.kernel, "source": str(source), "runs": runs,
+    commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True)
+    record = {"machine": machine_record(), "kernel": ns.kernel, "source": str(source),
+              "source_commit": commit.stdout.strip() or None, "runs": runs,
               "ratios": ratios, "median_ratio": statistics.median(ratios), "bound": BOUND}
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(record, indent=1) + "\n")
