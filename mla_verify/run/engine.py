@@ -230,10 +230,12 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         first, step = prof.share
         for g in [g for g in given_cases if kind_of(g.spec) is kind and corner_failure is None][first::step]:
             clock.check()
+            given_failure = g  # until it passes: a kernel that hangs on it ends the search here too
             r = record(Case(g.spec, g.layout, g.transform), diagnose=True, problem=g.problem)
             if r.verdict == "fail":
-                given_failure, corner_failure = g, r  # a failure not drawn, like a corner case's
+                corner_failure = r  # a failure not drawn, as a corner case's
                 raise _Stop("a case of the user's failed")
+            given_failure = None
         if prof.corner_cases and corner_failure is None:
             for case in kind.corner_cases(backend.envelope, budget)[first::step]:
                 clock.check()
@@ -277,7 +279,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
                 result.failure = _replayed(smallest, judge_of(stored))
         except KeyboardInterrupt:  # the failure as it stood is the report
             result.interrupted = True
-        result.given_origin = None if given_failure is None else given_failure.origin
+    if result.failure is not None and given_failure is not None:
+        result.given_origin = given_failure.origin
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
