@@ -71,7 +71,7 @@ def test_check_judges_a_case_directory_first_and_reports_its_failure(case_dir, t
                  "--fixtures-dir", str(tmp_path / "fx")])
     out = capsys.readouterr().out
     assert code == 1
-    assert f"your cases: 2 from {case_dir}, judged first on each backend" in out
+    assert f"your cases: 2 from {case_dir} (2 dense), judged first on each backend of their kind" in out
     assert f"  from your case {case_dir / 'b_captured.json'} (judged before any drawn case)" in out
     cases = json.loads(report.read_text())["cases"]
     assert [c["verdict"] for c in cases] == ["pass", "fail"]
@@ -107,17 +107,37 @@ def test_a_reproducer_of_an_earlier_run_is_a_regression_case(tmp_path, capsys):
     assert main(["check", "--kernel", GOOD, "--device", "cpu", "--profile", "dev", "--cases", str(cases)]) == 0
 
 
+def test_a_sparse_case_is_judged_first_on_sparse_backends_and_only_there(tmp_path):
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / "a_dense.json").write_text(json.dumps(PASSING_SPEC))
+    (cases / "b_sparse.json").write_text(json.dumps(
+        {"problem_kind": "sparse", "spec": {"batch": 1, "num_heads": 2, "topk": 64}, "metamorphic": "pages"}))
+    dense_case, sparse_case = load_cases(cases)
+    assert sparse_case.layout.pass_out is False  # a sparse kernel allocates its output unless told otherwise
+    # the flashmla-sparse convention's mutant that takes V from the wrong dims
+    wrong = verify(load_kernel("mla_verify.kernels.mutants:v_rope_dims"), "cpu", "dev", given_cases=[dense_case,
+                                                                                                     sparse_case])
+    assert wrong.cases[0].spec == sparse_case.spec and wrong.cases[0].verdict == "fail"
+    assert wrong.given_origin == sparse_case.origin and wrong.failure.verdict == "fail"
+    dense = verify(load_kernel(GOOD), "cpu", "dev", max_examples=2, given_cases=[dense_case, sparse_case])
+    assert dense.cases[0].spec == dense_case.spec and sparse_case.spec not in [c.spec for c in dense.cases]
+
+
 @pytest.mark.parametrize("content,match", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "neither a case"),
     ('{"specs": {"seq_lens": [4]}}', "neither a case"),
     ('{"spec": {"seq_lens": [4]}, "layuot": {}}', "case: unknown field\\(s\\) \\['layuot'\\]"),
-    ('{"spec": {"q_len": 2}}', "seq_lens .* is required"),
+    ('{"spec": {"q_len": 2}}', "spec: 'seq_lens' is required"),
     ('{"spec": {"seq_lens": [1], "q_len": 2}}', "seq_lens\\[0\\] = 1 is shorter than q_len = 2"),
     ('{"spec": {"seq_lens": [4], "heads": 2}}', "unknown field\\(s\\) \\['heads'\\]"),
     ('{"spec": {"seq_lens": [4]}, "layout": {"cache_dims": 5}}', "'cache_dims' = 5 is not one of \\[3, 4\\]"),
-    ('{"spec": {"seq_lens": [4]}, "metamorphic": "bogus"}', "'metamorphic' = 'bogus' is not one of"),
+    ('{"spec": {"seq_lens": [4]}, "metamorphic": "bogus"}', "metamorphic 'bogus' is not one of"),
     ('{"format": "mla-verify-fixture", "format_version": 2, "spec": {"seq_lens": [4]}}', "safetensors: missing"),
+    ('{"problem_kind": "sparse", "spec": {"fmt": "V99"}}', "'fmt' = 'V99' is not one of"),
+    ('{"problem_kind": "sparse", "spec": {}, "metamorphic": "batch"}', "'batch' is not one of .* \\(sparse decode\\)"),
+    ('{"problem_kind": "dens", "spec": {"seq_lens": [4]}}', "'problem_kind' = 'dens' is not one of"),
 ])
 def test_a_file_that_is_no_case_is_one_line(tmp_path, content, match):
     path = tmp_path / "case.json"

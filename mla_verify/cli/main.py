@@ -152,6 +152,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..draw.hypothesis_db import resolve_database
     from ..draw.profiles import get_profile, run_seed
     from ..judge.selfcheck import reference_selfcheck
+    from ..kinds import kind_of
     from ..records.cases import load_cases
     from ..records.failure import failure_lines, in_flight_note, in_flight_path, record_in_flight, save_reproducer
     from ..records.fixtures import check_writable_dir
@@ -199,7 +200,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
         print(f"seed: {seed}" + ("" if ns.seed is not None else f" (fresh for this run; --seed {seed} draws the same "
                                                                  "cases again)"), flush=True)
     if given:
-        print(f"your cases: {len(given)} from {ns.cases}, judged first on each backend", flush=True)
+        kinds = Counter(kind_of(c.spec).name for c in given)
+        print(f"your cases: {len(given)} from {ns.cases} ({', '.join(f'{n} {k}' for k, n in kinds.items())}), judged "
+              "first on each backend of their kind", flush=True)
     try:
         selfcheck = reference_selfcheck(device, seed=seed or 0)
         print(f"reference self-check: {selfcheck.describe()}", flush=True)

@@ -1,17 +1,18 @@
 """A user's own cases (``check --cases DIR``, ``pytest --mla-cases DIR``): problems a kernel engineer knows
-matter, judged first in every profile, on every dense backend the run checks (run/engine.py).
+matter, judged first in every profile, on every backend of their problem kind (dense or sparse,
+mla_verify/kinds) that the run checks (run/engine.py).
 
 A case is a ``*.json`` file in DIR (not its subfolders), in one of two forms (docs/cli.md, "Your own cases"):
 
-- a spec: ``{"spec": {"seq_lens": [257], "q_len": 2}}`` -- ProblemSpec's fields, ``seq_lens`` the one
-  required (problems/generate.py gives the others' defaults), optionally ``"layout"`` (LayoutSpec's fields)
-  and ``"metamorphic"`` (one of problems/metamorphic.TRANSFORMS, default "none"). Its problem is built from
-  the spec, as a drawn case's is.
-- a fixture (``"format": "mla-verify-fixture"``, records/fixtures.py): a reproducer from an earlier run
-  dropped in as a regression case, a golden fixture, a shadow reproducer, or tensors saved with
-  ``save_case``. One that stores its problem's tensors is judged on them, with or without a spec: tensors and
-  scalars say everything (a spec only names the case; ``describing_spec`` writes one). One that stores none
-  is rebuilt from its spec.
+- a spec: ``{"spec": {"seq_lens": [257], "q_len": 2}}`` -- its kind's spec fields (dense: ProblemSpec's,
+  ``seq_lens`` the one required; ``"problem_kind": "sparse"``: SparseSpec's), optionally ``"layout"``
+  (LayoutSpec's fields) and ``"metamorphic"`` (one of the kind's relations, default "none"). Its problem is
+  built from the spec, as a drawn case's is.
+- a fixture (``"format": "mla-verify-fixture"``, records/fixtures.py, or a sparse reproducer of the format
+  before): a reproducer from an earlier run dropped in as a regression case, a golden fixture, a shadow
+  reproducer, or tensors saved with ``save_case``. One that stores its problem's tensors is judged on them, with
+  or without a spec: tensors and scalars say everything (a spec only names the case; ``describing_spec`` writes
+  one). One that stores none is rebuilt from its spec.
 
 A file that is neither, or a case no backend could be given (a field that does not exist or has the wrong
 type, lengths no problem can have), is refused with one line naming the file, before any case runs.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +29,26 @@ import torch
 
 from ..core.dims import MLADims
 from ..core.errors import FixtureError, MLAVerifyError, UsageError
-from ..problems.generate import ProblemSpec, build_problem, describing_spec
+from ..kinds import KINDS, kind_named
+from ..problems.envelope import DENSE, SPARSE
+from ..problems.generate import describing_spec
 from ..problems.json_fields import FieldCheck, checked_fields, is_int
 from ..problems.layouts import CACHE_DIMS, TABLE_WIDTHS, LayoutSpec, canonical_cache
-from ..problems.metamorphic import TRANSFORMS
 from ..problems.problem import DecodeProblem
-from .fixtures import FORMAT, Fixture, load_fixture, save_fixture
+from ..problems.sparse import SPARSE_LAYOUT, SparseSpec
+from .fixtures import FORMAT, LEGACY_SPARSE, Fixture, load_fixture, save_fixture
 
 STORED_VALUES = "stored"  # the describing spec's ``values`` of stored tensors: "stored:<their sha256, cut>"
 _CASE_FIELDS: dict[str, FieldCheck] = {  # a hand-written case's (its spec's and layout's are checked on their own)
+    "problem_kind": (lambda v: v in KINDS, f"one of {list(KINDS)}"),
     "spec": (lambda v: True, "a spec"),
     "layout": (lambda v: True, "a layout"),
-    "metamorphic": (lambda v: v in TRANSFORMS, f"one of {list(TRANSFORMS)}"),
+    "metamorphic": (lambda v: isinstance(v, str), "a relation's name"),
 }
+# what a hand-written case of each kind starts from, before its own "spec" and "layout" fields (a dense spec's
+# record may leave out any field that has a default; a sparse one's names every field)
+_SPEC_DEFAULTS = {SPARSE: SparseSpec().to_json()}
+_LAYOUTS = {DENSE: LayoutSpec(), SPARSE: SPARSE_LAYOUT}
 _LAYOUT_FIELDS: dict[str, FieldCheck] = {
     "cache_dims": (lambda v: v in CACHE_DIMS, f"one of {list(CACHE_DIMS)}"),
     "page_stride_pad": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
@@ -55,10 +63,10 @@ class UserCase:
     """One case of the user's (run/engine.py's ``GivenCase``)."""
 
     origin: str  # the file it came from
-    spec: ProblemSpec  # rebuilds the problem, or (with ``problem``) describes it
+    spec: Any  # its kind's spec: rebuilds the problem, or (with ``problem``) describes it
     layout: LayoutSpec
     transform: str = "none"
-    problem: DecodeProblem | None = None  # the stored tensors (on CPU), where the spec does not rebuild them
+    problem: Any = None  # the stored tensors (on CPU), where the spec does not rebuild them
 
 
 def load_cases(directory: str | os.PathLike, flag: str = "--cases") -> list[UserCase]:
@@ -81,21 +89,27 @@ def load_case(path: Path) -> UserCase:
         raise FixtureError(f"{path}: cannot read: {e.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FixtureError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
-    if isinstance(meta, dict) and "format" in meta:
+    if isinstance(meta, dict) and ("format" in meta or meta.get("kind") == LEGACY_SPARSE):
         return _from_fixture(path)
     if not isinstance(meta, dict) or "spec" not in meta:
         raise FixtureError(f"{path}: neither a case ({{\"spec\": {{\"seq_lens\": [...], ...}}}}) nor an mla-verify "
                            f"fixture (\"format\": \"{FORMAT}\")")
-    if isinstance(meta["spec"], dict) and "seq_lens" not in meta["spec"]:
-        raise FixtureError(f"{path}: spec: seq_lens (the KV length of each request) is required")
     try:
-        checked_fields(meta, _CASE_FIELDS, "case")
-        spec = ProblemSpec.from_json(meta["spec"])
-        layout = LayoutSpec(**checked_fields(meta.get("layout", {}), _LAYOUT_FIELDS, "layout"))
-        build_problem(spec)  # its lengths, dtype, values and scales, checked now rather than in a case
+        kind = kind_named(checked_fields(meta, _CASE_FIELDS, "case").get("problem_kind", DENSE))
+        fields = meta["spec"]
+        spec = kind.spec_from_json({**_SPEC_DEFAULTS.get(kind.name, {}), **fields} if isinstance(fields, dict)
+                                   else fields)
+        layout = replace(_LAYOUTS[kind.name], **checked_fields(meta.get("layout", {}), _LAYOUT_FIELDS, "layout"))
+        kind.build(spec, "cpu")  # its lengths, dtype, values and scales, checked now rather than in a case
     except MLAVerifyError as e:
         raise FixtureError(f"{path}: {e}") from None
-    return UserCase(str(path), spec, layout, meta.get("metamorphic", "none"))
+    except KeyError as e:  # a required spec field left out
+        raise FixtureError(f"{path}: spec: {e.args[0]!r} is required") from None
+    relations = ["none", *kind.relations]
+    transform = meta.get("metamorphic", "none")
+    if transform not in relations:
+        raise FixtureError(f"{path}: metamorphic {transform!r} is not one of {relations} ({kind.name} decode)")
+    return UserCase(str(path), spec, layout, transform)
 
 
 def _from_fixture(path: Path) -> UserCase:
@@ -103,7 +117,7 @@ def _from_fixture(path: Path) -> UserCase:
     return UserCase(str(path), fixture_spec(fx), fx.layout, fx.meta.get("metamorphic", "none"), fx.problem)
 
 
-def fixture_spec(fx: Fixture) -> ProblemSpec:
+def fixture_spec(fx: Fixture) -> Any:
     """The spec of a fixture's case: the one it records, else (its tensors stored, no spec) one describing
     them, its ``values`` naming their hash so that two such cases have two ids."""
     if fx.spec is not None:
