@@ -24,10 +24,10 @@ PASSING_SPEC = {"spec": {"seq_lens": [1], "num_heads": 1, "page_size": 4, "kv_lo
                 "layout": {"return_lse": False}}
 
 
-def _captured(directory: Path) -> Path:
+def _captured(directory: Path, name: str = "b_captured", seq_lens: tuple[int, ...] = (9, 20)) -> Path:
     """Tensors of a call, as a user captures them: values no spec draws (the query scaled by 3)."""
-    p = build_problem(ProblemSpec(seq_lens=(9, 20), num_heads=2, page_size=4, kv_lora_rank=256, seed=5))
-    return save_case(directory, "b_captured", query=p.query * 3, kv_cache=p.kv_cache, block_tables=p.block_table,
+    p = build_problem(ProblemSpec(seq_lens=seq_lens, num_heads=2, page_size=4, kv_lora_rank=256, seed=5))
+    return save_case(directory, name, query=p.query * 3, kv_cache=p.kv_cache, block_tables=p.block_table,
                      seq_lens=p.seq_lens, kv_lora_rank=256, bmm1_scale=p.bmm1_scale, bmm2_scale=0.5,
                      extra={"note": "from my engine's step 1234"})
 
@@ -122,6 +122,25 @@ def test_a_sparse_case_is_judged_first_on_sparse_backends_and_only_there(tmp_pat
     assert wrong.given_origin == sparse_case.origin and wrong.failure.verdict == "fail"
     dense = verify(load_kernel(GOOD), "cpu", "dev", max_examples=2, given_cases=[dense_case, sparse_case])
     assert dense.cases[0].spec == dense_case.spec and sparse_case.spec not in [c.spec for c in dense.cases]
+
+
+@pytest.mark.parametrize("flag", [None, "--isolate"])
+def test_tensors_only_case_that_crashes_the_kernel_is_a_crash_of_that_case(tmp_path, capsys, flag):
+    # no spec rebuilds it, so no worker of the fork server can judge it: a copy of this process that holds its
+    # tensors does (supervised: the search's copy, then a copy of its own; isolated: a copy of its own)
+    cases = tmp_path / "cases"
+    _captured(cases, "crashes", (9, 20, 5))  # crashing_kernels.CRASH_BATCH requests
+    code = main(["check", "--kernel", "crashing_kernels:segfaults_on_big_batches", "--device", "cpu", "--cases",
+                 str(cases), "--fixtures-dir", str(tmp_path / "fx"), *([flag] if flag else [])])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert "FAIL crashing_kernels:segfaults_on_big_batches: the kernel crashed: killed by SIGSEGV" in out
+    assert f"from your case {cases / 'crashes.json'}" in out and "Traceback" not in err
+    # its reproducer stores the tensors (a crash keeps its problem only where no spec rebuilds it), and crashes
+    reproducer = next(line.split()[-1] for line in out.splitlines() if "re-run: mla-verify replay" in line)
+    assert load_fixture(reproducer).problem is not None
+    assert main(["replay", reproducer]) == 1
+    assert "crashed again (same signal/error): killed by SIGSEGV" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("content,match", [

@@ -53,7 +53,7 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
     where it was loaded from (Backend.source), so that replay finds it from any directory. None (said on
     stderr) when it cannot be written: the discrepancy still stands, only its reproducer is lost. A crash, and a
     case of another kind than dense, is recorded by its spec alone (fixtures.write_case_record), as run on
-    ``device``."""
+    ``device`` -- but a crash that kept its problem (a user's case whose tensors no spec rebuilds) with them."""
     from .fixtures import DEFAULT_MAX_REPRODUCER_MIB, tensor_summary, write_case_record, write_reproducer
 
     meta = {"kind": "regression", "backend": case.backend, "spec": case.spec.to_json(),
@@ -64,8 +64,9 @@ def save_reproducer(directory: Path, case: CaseResult, max_mib: int | None = Non
         meta["kernel_source"] = source
     cap = DEFAULT_MAX_REPRODUCER_MIB if max_mib is None else max_mib
     try:
-        if case.crash:  # no problem kept: the device it was on may be unusable, and its spec rebuilds it
+        if case.crash:
             meta["crash"] = case.crash
+        if case.crash and case.problem is None:  # the device it was on may be unusable; its spec rebuilds it
             return write_case_record(directory, case.id, case.spec, torch.device(device), meta)
         if kind_of(case.spec).name != DENSE:  # its spec rebuilds it; the kernel's output is summarised
             meta["kernel_output"] = {k: None if t is None else tensor_summary(t)

@@ -9,8 +9,9 @@ fuzz a fresh seed each run unless given one (profiles.run_seed), which the resul
 A user's own cases (``given_cases``: records/cases.py, ``--cases``) of the backend's kind are judged first,
 before the corner cases, in every profile. A failing one ends the search, as a failing explicit example ends
 Hypothesis's: it is the failure, made smaller where its spec rebuilds it and diagnosed like any other. A case
-that stores its tensors (its spec only describes them) is judged in this process even with ``isolate``, as
-``replay`` runs one: the worker rebuilds each case from its spec.
+that stores its tensors (its spec only describes them) is judged, with cases isolated, in a copy of this process
+holding them where it can fork (the CPU), as ``replay`` runs one; else in this process (a worker of the fork
+server rebuilds each case from its spec).
 
 Time bounds hold wherever Hypothesis spends its time: the deadline is checked before each draw (generation,
 targeting and shrinking all draw) as well as before each case, so a run ends within ``minutes`` plus one
@@ -59,7 +60,7 @@ from ..kinds import ProblemKind, kind_named, kind_of
 from ..problems.envelope import DENSE
 from ..problems.layouts import LayoutSpec
 from .harness import SKIP_MEMORY, CaseResult
-from .isolate import CaseJudge, InProcess, case_judge
+from .isolate import CaseJudge, InProcess, Isolated, case_judge, forkable
 from .simplify import simplify, size
 from .warmup import WarmupResult
 from .watchdog import grace_seconds
@@ -193,9 +194,20 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     first_warm = _warm_seconds(judge)
     clock.leave_out(waited)
 
+    holding: dict[int, CaseJudge] = {}  # by id: the judge of each stored problem judged so far
+
     def judge_of(problem: Any) -> CaseJudge:
-        """The judge of a case: ``judge``, or for a stored problem one that runs it here."""
-        return judge if problem is None else InProcess(backend, device, kernel_seconds, problem.to(device))
+        """The judge of a case: ``judge``, or for a stored problem (a user's case that no spec rebuilds) one that
+        holds it -- a copy of this process where cases are isolated and it can fork (isolate.forkable), so that
+        a crash on it is a verdict too, else this process."""
+        if problem is None:
+            return judge
+        if id(problem) not in holding:
+            here = problem.to(device)
+            isolated = isinstance(judge, Isolated) and forkable(device)
+            holding[id(problem)] = Isolated(backend, device, kernel_seconds, fork=True, problem=here) if isolated \
+                else InProcess(backend, device, kernel_seconds, here)
+        return holding[id(problem)]
 
     def record(case: Case, diagnose: bool = False, draw_seconds: float | None = None,
                problem: Any = None) -> CaseResult:
@@ -281,6 +293,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
             result.interrupted = True
     if result.failure is not None and given_failure is not None:
         result.given_origin = given_failure.origin
+        if result.failure.problem is None:  # a crash keeps none: a stored one, which no spec rebuilds, goes on
+            result.failure.problem = given_failure.problem  # into its reproducer
     if result.failure is not None and corner_failure is not None and result.failure is not corner_failure \
             and not explained(result.failure.diagnosis) and explained(corner_failure.diagnosis):
         # a shrunk case can be too small to tell misreadings apart (one token: every scale gives the same out)
@@ -291,7 +305,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
         # first failing case that is that corner case then tells nothing more
         result.failure.first_failing = _first_failing(corner_failure or failing[0], result.failure, judge,
                                                       rerun=not clock.expired)
-    judge.close()
+    for held in (judge, *holding.values()):
+        held.close()
     result.draw_seconds = clock.draw_seconds
     result.warmup = judge.warmup
     result.seconds = time.monotonic() - started - waited - (_warm_seconds(judge) - first_warm)

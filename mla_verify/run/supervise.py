@@ -111,7 +111,10 @@ def supervised(backend: Backend, device: torch.device | str, profile: str | Prof
     options["seed"] = run_seed(prof, options.get("seed"))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mla-verify-search-") as scratch:
-        journal = _Journal(Path(scratch), backend, device)
+        # the user's cases that store their tensors (no spec rebuilds them): a failure's problem is theirs
+        stored = {_key(g.spec, g.layout, g.transform): g.problem for g in options.get("given_cases", ())
+                  if g.problem is not None}
+        journal = _Journal(Path(scratch), backend, device, stored)
         copy = multiprocessing.get_context("fork").Process(
             target=_search_copy, name=f"mla-verify search ({backend.name})", daemon=True,
             args=(scratch, os.getpid(), backend, device, prof, options))
@@ -168,7 +171,9 @@ def _taken_over(backend: Backend, device: torch.device, prof: Profile, options: 
                      {_key(r.spec, r.layout, r.metamorphic): r for r in journal.cases
                       if r.verdict != "fail"})  # a failure is judged again: its output is not kept
     confirmed = None
-    if case is not None:  # not known: it never ended, or ended as a failure
+    # not known: it never ended, or ended as a failure. (A user's case that stores its tensors is not judged
+    # here: the search below judges it first, in a copy that holds them.)
+    if case is not None and _key(case.spec, case.layout, case.transform) not in journal.stored:
         confirmed = judge(case.spec, case.layout, case.transform, False)
         if confirmed.crash:  # a crash has no diagnosis to make: the same verdict whoever asks
             judge.known[_key(case.spec, case.layout, case.transform)] = confirmed
@@ -276,8 +281,9 @@ def _raised(name: str, message: str, trace: str) -> Exception:
 class _Journal:
     """The copy's journal as read so far: its cases' verdicts, the case in flight, its result or its error."""
 
-    def __init__(self, scratch: Path, backend: Backend, device: torch.device) -> None:
+    def __init__(self, scratch: Path, backend: Backend, device: torch.device, stored: dict[str, Any]) -> None:
         self.scratch, self.backend, self.device = scratch, backend, device
+        self.stored = stored  # by _key: the problems of the user's cases that store their tensors
         self.kind = kind_named(backend.kind)
         (scratch / _JOURNAL).touch()
         self.cases: list[CaseResult] = []
@@ -321,8 +327,9 @@ class _Journal:
         failure = None
         if entry["failure"] is not None:
             tensors = load_file(str(self.scratch / _FAILURE)) if (self.scratch / _FAILURE).exists() else {}
-            failure = with_problem(decoded(self.backend.name, *self._case(entry["failure"]["case"]),
-                                           entry["failure"]["verdict"], tensors), self.backend.kind, self.device)
+            case = self._case(entry["failure"]["case"])
+            failure = with_problem(decoded(self.backend.name, *case, entry["failure"]["verdict"], tensors),
+                                   self.backend.kind, self.device, self.stored.get(_key(*case)))
             first = entry["failure"]["first_failing"]
             failure.first_failing = None if first is None else (first[0], first[1], first[2])
         warmup = entry["warmup"]
