@@ -99,7 +99,7 @@ def test_a_crash_without_an_isolation_flag_is_shrunk_to_the_smallest_crashing_ca
 
 
 def test_an_unseeded_search_gets_the_crash_back_through_its_example_database(capsys, tmp_path):
-    # fuzzing with an example database is not seeded: the search cannot retrace the copy that died, so the
+    # fuzzing with an example database draws from what it holds: the search cannot retrace the copy that died, so the
     # crash's choice sequence goes into the database, and the isolated search replays it first and shrinks it,
     # as far as --isolate's shrinking goes (supervise.py); simplify.py alone stops short of it
     code, out = check(capsys, "segfaults_on_big_batches", tmp_path, "--profile", "fuzz", "--minutes", "0.5",

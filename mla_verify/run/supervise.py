@@ -16,7 +16,8 @@ confirms the crash, in the words ``--isolate`` gives ("the kernel crashed: kille
 seeded search (premerge, dev, fuzz without an example database: profiles.py) draws the same cases given the
 same verdicts, so it retraces the copy's cases at the cost of a lookup each, reaches the case that killed the
 copy, and goes on exactly as ``--isolate`` would: the same cases, the crash shrunk like any failure, the same
-minimal case. An unseeded search (fuzz with ``--hypothesis-db``) cannot be retraced: the choice sequence the
+minimal case. A search with an example database (fuzz with ``--hypothesis-db``) cannot be retraced: it draws
+from what the database holds, which the copy changed, as well as from its seed. The choice sequence the
 copy journaled for the crashing case goes into the example database, among the examples Hypothesis has not
 shrunk yet, and the search replays it first and shrinks it as it shrinks any failure (engine.verify's
 ``found``; a case Hypothesis did not draw is the failure as it stands, made smaller as a failing corner case
@@ -192,7 +193,8 @@ def _taken_over(backend: Backend, device: torch.device, prof: Profile, options: 
 
 
 def _seeded(prof: Profile, options: dict[str, Any]) -> bool:
-    """Whether the search draws from a fixed seed (engine._search): the same cases given the same verdicts."""
+    """Whether the search draws from its seed alone, with no example database (engine._search): the same cases
+    given the same verdicts."""
     return prof.deterministic or options.get("database") is None
 
 
@@ -239,7 +241,7 @@ def _search_copy(scratch: str, parent: int, backend: Backend, device: torch.devi
     def write(entry: dict[str, Any]) -> None:
         os.write(fd, json.dumps(entry).encode() + b"\n")  # one write a line: a death leaves whole lines
 
-    # an unseeded search cannot be retraced: Hypothesis is to draw the case in flight again from its choices
+    # a search with a database cannot be retraced: Hypothesis is to draw the case in flight again from its choices
     seeded = _seeded(get_profile(profile) if isinstance(profile, str) else profile, options)
     try:
         result = verify(backend, device, profile, **options,
