@@ -9,10 +9,12 @@ PYTHONPATH. Each declares a small CPU envelope, so the engine's premerge run on 
   split; a split past a short sequence's end has all its keys masked, its maximum is -inf, and
   exp(-inf - -inf) is NaN. It never reads a cache slot outside a sequence.
 
-And ``last_split_nan``, a kernel that declares where it is fragile (``split_sizes``, draw/edges.py).
+And ``last_split_nan`` and ``odd_split_nan``, kernels that declare where they are fragile (``split_sizes``,
+draw/edges.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -131,31 +133,42 @@ aligned_last_page_dropped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max
 batch_entries_swapped.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 96}
 
 
-# A kernel that says where it is fragile: 256-token splits, and an unguarded empty split. The CPU peer, except
-# that a query token that sees nothing of its sequence's last split (seq_len = k*256 + j with j < the token's
-# index + 1) gets that split's exp(-inf - -inf) = NaN. Within its envelope (q_len 1-2, sequences up to 300)
-# that is seq_len 257 with q_len 2, and nothing else.
+# Kernels that say where they are fragile: S-token splits, and an unguarded empty split. The CPU peer, except
+# that a query token that sees nothing of its sequence's last split (seq_len = k*S + j with j < the token's
+# index + 1) gets that split's exp(-inf - -inf) = NaN. last_split_nan: S = 256; within its envelope (q_len 1-2,
+# sequences up to 300) that is seq_len 257 with q_len 2, and nothing else. odd_split_nan: S = 384, a size no
+# premerge corner case assumes (envelope.py's common split sizes are powers of two): seq_len 385 or 769 with
+# q_len 2, which premerge holds only because the kernel declares the size.
 FRAGILE_SPLIT = 256
+ODD_SPLIT = 384
 
 
-def last_split_nan(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int, rope: int,
-                   block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                   out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
-                   return_lse: bool = False, **kwargs: Any) -> Any:
-    """256-token splits; a query token with nothing to see in the last split gets NaN."""
-    result, lse = cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens, max_seq_len,
-                                  bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, return_lse=True,
-                                  tokens_per_split=FRAGILE_SPLIT)
-    B, Q = query.shape[:2]
-    lens = seq_lens.long()
-    last_visible = lens[:, None] - Q + torch.arange(Q, device=query.device)  # [B, Q]
-    empty = last_visible < ((lens - 1) // FRAGILE_SPLIT * FRAGILE_SPLIT)[:, None]
-    result = result.masked_fill(empty[:, :, None, None], float("nan"))
-    lse = lse.view(B, Q, -1).masked_fill(empty[:, :, None], float("nan")).view(B * Q, -1)
-    if out is not None:
-        out.copy_(result)
-        result = out
-    return (result, lse) if return_lse else result
+def _nan_past_the_last_split(split: int) -> Callable[..., Any]:
+    def last_split_nan(query: torch.Tensor, kv_cache: torch.Tensor, workspace: Any, nope: int, rank: int,
+                       rope: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                       out: torch.Tensor | None = None, bmm1_scale: float = 1.0, bmm2_scale: float = 1.0,
+                       return_lse: bool = False, **kwargs: Any) -> Any:
+        """``split``-token splits; a query token with nothing to see in the last split gets NaN."""
+        result, lse = cpu_peer_decode(query, kv_cache, workspace, nope, rank, rope, block_tables, seq_lens,
+                                      max_seq_len, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, return_lse=True,
+                                      tokens_per_split=split)
+        B, Q = query.shape[:2]
+        lens = seq_lens.long()
+        last_visible = lens[:, None] - Q + torch.arange(Q, device=query.device)  # [B, Q]
+        empty = last_visible < ((lens - 1) // split * split)[:, None]
+        result = result.masked_fill(empty[:, :, None, None], float("nan"))
+        lse = lse.view(B, Q, -1).masked_fill(empty[:, :, None], float("nan")).view(B * Q, -1)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        return (result, lse) if return_lse else result
+
+    return last_split_nan
 
 
+last_split_nan = _nan_past_the_last_split(FRAGILE_SPLIT)
 last_split_nan.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 300, "split_sizes": [FRAGILE_SPLIT]}
+odd_split_nan = _nan_past_the_last_split(ODD_SPLIT)
+odd_split_nan.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 800, "split_sizes": [ODD_SPLIT]}
+odd_split_undeclared = _nan_past_the_last_split(ODD_SPLIT)  # the same kernel, saying nothing of its splits
+odd_split_undeclared.mla_verify_envelope = {**_SMALL, "heads": [1, 2], "max_seq_len": 800}

@@ -226,6 +226,16 @@ def test_a_kernel_fragile_at_its_declared_split_is_caught_in_premerge():
     assert Case(first.spec, first.layout, first.metamorphic) in corner_cases(backend.envelope, budget_for("cpu"))
 
 
+def test_premerge_finds_a_split_size_it_does_not_assume_where_the_kernel_declares_it():
+    # 384-token splits are no size premerge's corner cases assume (envelope.py's common ones are powers of two):
+    # the kernel fails only at seq_len 385 or 769 with q_len 2. Declared, the corner cases hold those lengths;
+    # the same kernel declaring nothing passes the whole premerge run
+    declared = verify(load_kernel("faulty_kernels:odd_split_nan"), "cpu", "premerge")
+    assert declared.verdict == "fail" and declared.failure.spec.q_len == 2, declared.failure.describe()
+    assert {385, 769} & set(declared.failure.spec.seq_lens)
+    assert verify(load_kernel("faulty_kernels:odd_split_undeclared"), "cpu", "premerge").verdict == "pass"
+
+
 FUZZ_UNBOUNDED = replace(get_profile("fuzz"), minutes=None)  # bounded by max_examples alone: no restarts
 
 
