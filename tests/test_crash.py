@@ -185,14 +185,17 @@ def test_a_cuda_error_is_a_crash_of_the_running_case(capsys, tmp_path, isolate):
         assert re.search(r"\(\d+ passed, 1 failed", out), out
 
 
-def pytest_mla_kernel(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+def pytest_mla_kernel(tmp_path: Path, *argv: str, plain: bool = False) -> subprocess.CompletedProcess:
     """pytest under xdist, verifying the segfaulting kernel with its reproducers in tmp_path/fx; one torch thread
-    (as `pytest -n auto` gives each worker on a 2-core machine), so that the worker can fork a supervised search."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1",
+    (as `pytest -n auto` gives each worker on a 2-core machine), so that the worker can fork a supervised search.
+    ``plain``: no xdist and no thread count of the user's (the plugin sets the CLI's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(["-p", "no:xdist"] if plain else ["-n", "1"]),
                            "--mla-device", "cpu", "--mla-kernel", "crashing_kernels:segfaults_on_big_batches",
                            "--mla-fixtures-dir", "fx", *argv], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
-                          timeout=300)
+                          env={**env, "PYTHONPATH": PYTHONPATH, **({} if plain else {"OMP_NUM_THREADS": "1"})},
+                          cwd=tmp_path, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     return done
 
@@ -205,6 +208,14 @@ def test_pytest_mla_kernel_reports_a_crash_with_its_reproducer(tmp_path):
     fx = load_fixture(tmp_path / reproducer(done.stdout))
     assert fx.meta["crash"].startswith("killed by SIGSEGV")
     assert fx.spec is not None and list(fx.spec.seq_lens) == [1] * CRASH_BATCH  # shrunk
+
+
+def test_plain_pytest_supervises_the_search_as_check_does(tmp_path):
+    # no -n, no OMP_NUM_THREADS: the plugin gives torch one thread on the CPU, as check does, so the test's process
+    # can fork the supervised search (isolate.forkable) -- with torch's default count it would isolate every case
+    done = pytest_mla_kernel(tmp_path, plain=True)
+    assert "the process running the search died (killed by SIGSEGV" in done.stdout
+    assert "the kernel crashed: killed by SIGSEGV" in done.stdout
 
 
 def test_pytest_without_isolation_leaves_the_case_that_crashed_its_xdist_worker(capsys, tmp_path):
