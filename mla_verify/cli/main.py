@@ -53,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify, dense or sparse (repeatable; list-backends names them)")
+    which.add_argument("--fib-solution", metavar="SOLUTION.json",
+                       help="a flashinfer-bench solution of an mla_paged decode definition, built by "
+                            "flashinfer-bench's builder (needs the fib extra; docs/flashinfer-bench.md)")
+    where = check.add_mutually_exclusive_group()
+    where.add_argument("--fib-definition", metavar="DEFINITION.json",
+                       help="the --fib-solution's definition (default: found by its name in the dataset the "
+                            "solution's file lies in)")
+    where.add_argument("--fib-dataset", metavar="DIR",
+                       help="a flashinfer-bench dataset whose definitions/ holds the --fib-solution's definition")
     _convention_argument(check)
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
@@ -170,6 +179,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.progress import Progress
     from ..run.supervise import IN_PROCESS, ISOLATED, how_to_run, search
     from ..run.warmup import start_warm_up
+    from .fib import check_fib_arguments, fib_solution_backend, hand_back
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -185,7 +195,11 @@ def cmd_check(ns: argparse.Namespace) -> int:
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
-    backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
+    check_fib_arguments(ns)
+    if ns.fib_solution is not None:
+        backends = [(fib_solution_backend(ns, device), None)]
+    else:
+        backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
     how = how_to_run(ns.isolate, device)
     in_flight = in_flight_path(ns.fixtures_dir)
 
@@ -248,9 +262,11 @@ def cmd_check(ns: argparse.Namespace) -> int:
                                     device)
             if saved is not None:
                 fixtures[r.backend] = str(saved)
+    by_name = {b.name: b for b, _ in backends}
     for r in results:
         if r.failure is not None:
-            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)))
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir)
+                                    + hand_back(by_name.get(r.backend), r.failure, ns.fixtures_dir, device)))
     interrupted = any(r.interrupted for r in results)
     if report_path is not None:
         run = {"command": ns.command_line,

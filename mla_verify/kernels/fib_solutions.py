@@ -1,0 +1,97 @@
+"""The suite's own kernels (the CPU peer, the 23 mutants) as flashinfer-bench python solutions of an
+``mla_paged`` decode definition: how the flashinfer-bench path is proved, and how its evaluator and mla-verify
+are compared on the same faults (benchmarks/fib_side_by_side.py, docs/flashinfer-bench.md).
+
+A solution's source is a few generated lines: a destination-passing ``run`` with the definition's inputs and
+outputs that calls ``call_contract1`` with a Contract-1 callable. That adapter lays the definition's inputs out
+as Contract 1 has them -- one [P, page, ckv + kpe] cache (a copy: the two caches are tensors of their own), the
+CSR page lists as a block table, the lengths from the page counts and ``kv_last_page_len`` -- calls the kernel
+with ``out=`` the definition's ``output`` and ``bmm1_scale = sm_scale``, copies its base-2 LSE into ``lse``,
+and writes what the kernel left in its cache copy back into the two caches (so a kernel that writes its input
+cache, the ``cache_written`` mutant, does it to the solution's inputs, as it would in place).
+
+Some mutants cannot differ from the correct kernel on any problem of a definition: ``NOT_EXPRESSIBLE`` says
+which, and why.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..problems.fib_definition import FibDefinition
+from ..problems.layouts import csr_to_block_table
+
+QK_NOPE = 128  # Contract 1's qk_nope_head_dim: DeepSeek's, unused by the kernels here
+AUTHOR = "mla-verify"
+
+
+def call_contract1(kernel: object, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+                   kpe_cache: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                   kv_last_page_len: torch.Tensor | None, sm_scale: float, output: torch.Tensor,
+                   lse: torch.Tensor) -> None:
+    """Run the Contract-1 callable ``kernel`` on an ``mla_paged`` decode definition's inputs, destination
+    passing (module docstring)."""
+    assert callable(kernel)
+    B, H, L = q_nope.shape
+    page = ckv_cache.shape[1]
+    cache = torch.cat([ckv_cache, kpe_cache], dim=-1)
+    pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+    seq_lens = pages if kv_last_page_len is None else (pages - 1) * page + kv_last_page_len
+    table = csr_to_block_table(kv_indptr, kv_indices)
+    query = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(1)
+    workspace = torch.zeros(1 << 20, dtype=torch.int8, device=q_nope.device)
+    _, got = kernel(query, cache, workspace, QK_NOPE, L, q_pe.shape[-1], table, seq_lens.to(torch.int32),
+                    int(seq_lens.max()), out=output.unsqueeze(1), bmm1_scale=float(sm_scale), bmm2_scale=1.0,
+                    return_lse=True)
+    lse.copy_(got.reshape(B, H))
+    ckv_cache.copy_(cache[..., :L])  # what the kernel wrote into its cache, if anything, reaches the inputs
+    kpe_cache.copy_(cache[..., L:])
+
+
+def solution_source(target: str, definition: FibDefinition) -> str:
+    """A python solution's ``main.py``: ``run`` with the definition's inputs and outputs, calling the Contract-1
+    callable ``target`` (``MODULE:ATTR``)."""
+    module, _, attr = target.partition(":")
+    params = [*definition.inputs, *definition.outputs]
+    last = "kv_last_page_len" if "kv_last_page_len" in definition.inputs else "None"
+    return (f'"""{target} as a flashinfer-bench solution of {definition.name} (mla_verify.kernels.fib_solutions)."""\n'
+            f"from {module} import {attr} as kernel\n"
+            "from mla_verify.kernels.fib_solutions import call_contract1\n\n\n"
+            f"def run({', '.join(params)}):\n"
+            f"    call_contract1(kernel, q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, {last}, sm_scale,"
+            " output, lse)\n")
+
+
+def solution_json(name: str, target: str, definition: FibDefinition, description: str = "") -> dict:
+    """A flashinfer-bench Solution (its JSON) named ``name``: the Contract-1 callable ``target`` for
+    ``definition``, python, destination passing."""
+    return {"name": name, "definition": definition.name, "author": AUTHOR,
+            "spec": {"language": "python", "target_hardware": ["cpu", "cuda"], "entry_point": "main.py::run",
+                     "dependencies": [], "destination_passing_style": True},
+            "sources": [{"path": "main.py", "content": solution_source(target, definition)}],
+            "description": description or f"{target} (Contract 1) wrapped by mla-verify"}
+
+
+def write_solution(path: Path, name: str, target: str, definition: FibDefinition, description: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(solution_json(name, target, definition, description), indent=2) + "\n")
+    return path
+
+
+def not_expressible(mutant: str, definition: FibDefinition) -> str | None:
+    """Why the mutant, wrapped, equals the correct kernel on every problem of ``definition``; None when some
+    problem of it tells them apart."""
+    reasons = {
+        "bmm2_ignored": "the definition has no output scale (bmm2 is always 1)",
+        "bmm2_twice": "the definition has no output scale (bmm2 is always 1)",
+        "cache_4d_as_3d": "the definition's caches are 3-D [pages, page_size, dim]",
+        "causal_ignored": "decode: one query token per request, which sees the whole sequence",
+    }
+    if definition.page_size == 1:
+        whole = "pages of one token: a sequence's last page is never partial"
+        reasons.update(partial_page_dropped=whole, reads_to_page_end=whole, nan_leak_unmasked_tail=whole)
+    if definition.page_size == 64:
+        reasons["page_size_assumed_64"] = "the definition's page size is 64"
+    return reasons.get(mutant)
