@@ -72,16 +72,11 @@ def get_backend(name: str) -> Backend:
 
 
 def named_backend(name: str, source: object = None) -> Backend:
-    """The backend a run recorded by ``name``: a registered one, a ``--kernel`` callable (``MODULE:ATTR``),
-    loaded first from ``source``, where it was loaded from (Backend.source), or the flashinfer-bench solution
-    ``source`` records."""
-    from .fib_solution import FibSolutionBackend, recorded_backend
+    """The backend a run recorded by ``name``: a registered one, or a ``--kernel`` (``MODULE:ATTR``), loaded first
+    from ``source``, where it was loaded from and, when it was named, the calling convention it was run with
+    (Backend.source)."""
     from .user_kernel import load_kernel
 
-    if (fib := recorded_backend(source)) is not None:
-        if not isinstance(fib, FibSolutionBackend):
-            raise UsageError(f"{name}: a sparse flashinfer-bench solution, not a dense backend")
-        return fib
     return load_kernel(name, recorded=source) if ":" in name else get_backend(name)
 
 

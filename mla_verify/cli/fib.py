@@ -1,10 +1,10 @@
 """``check --fib-solution``: a flashinfer-bench solution checked as any kernel, and its failure handed back to
 flashinfer-bench as a workload with its evaluator's verdict on it (docs/flashinfer-bench.md).
 
-The solution becomes a backend (backends/fib_solution.py) and runs through the same search, checks, shrinking
+The solution becomes a backend (fib/solution.py) and runs through the same search, checks, shrinking
 and reproducers as ``--kernel``. On a failure, beside the reproducer, the minimal case is added as a workload
-to a flashinfer-bench dataset folder, ``<fixtures-dir>/flashinfer-bench/`` (records/fib_workload.py), read back
-through flashinfer-bench's TraceSet, and judged there as its evaluator judges (judge/fib_judgement.py): the
+to a flashinfer-bench dataset folder, ``<fixtures-dir>/flashinfer-bench/`` (fib/workload.py), read back
+through flashinfer-bench's TraceSet, and judged there as its evaluator judges (fib/judgement.py): the
 FAIL block says whether flashinfer-bench would have flagged this very case.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ..backends.fib_solution import FibSolutionBackend, build, fib_backend, run_as_evaluator
 from ..core.errors import UsageError
-from ..judge.fib_judgement import FibJudgement, fib_judgement
-from ..problems.fib_definition import SPARSE
+from ..fib.definition import SPARSE
+from ..fib.judgement import FibJudgement, fib_judgement
+from ..fib.solution import FibSolutionBackend, build, fib_backend, run_as_evaluator
+from ..fib.workload import ExportedWorkload, export_workload, load_workload_inputs
 from ..problems.generate import build_problem
-from ..records.fib_workload import ExportedWorkload, export_workload, load_workload_inputs
 from ..run.harness import CaseResult
 
 DATASET_DIR = "flashinfer-bench"  # under --fixtures-dir: the dataset failing cases are exported to

@@ -196,6 +196,8 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
     check_fib_arguments(ns)
+    sparse: list[tuple[Any, str | None]] = []
+    backends: list[tuple[Any, str | None]]
     if ns.fib_solution is not None:
         backends = [(fib_solution_backend(ns, device), None)]
     else:
@@ -367,9 +369,10 @@ def _platform_line() -> str:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(ns: argparse.Namespace) -> int:
-    from ..backends import Backend, named_backend
+    from ..backends import Backend
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
+    from ..fib.solution import loaded_backend
     from ..records.failure import crash_line
     from ..records.fixtures import load_fixture
     from ..run import watchdog
@@ -388,7 +391,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         backend = load_kernel(ns.kernel, convention=ns.convention)
     elif name:
         # a --kernel run records MODULE:ATTR, and where it was loaded from
-        backend = named_backend(name, fx.meta.get("kernel_source"))
+        backend = loaded_backend(name, fx.meta.get("kernel_source"))
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
     device = ns.device or _replay_device(fx.meta.get("source_device"))

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from ..core.errors import UsageError
-from .envelope import LSE_BASE_2, Envelope, SparseEnvelope
-from .layouts import csr_metadata
-from .problem import DecodeProblem
-from .sparse import UNPACKED, SparseDecodeProblem
+from ..problems.envelope import LSE_BASE_2, Envelope, SparseEnvelope
+from ..problems.layouts import csr_metadata
+from ..problems.problem import DecodeProblem
+from ..problems.sparse import UNPACKED, SparseDecodeProblem
 
 DENSE, SPARSE = "dense", "sparse"
 # the inputs and outputs each kind's definitions have, in the definitions' order
@@ -84,7 +84,7 @@ class FibDefinition:
     def sparse_envelope(self, devices: tuple[str, ...]) -> SparseEnvelope:
         """The sparse problems this definition takes: bf16 rows, its topk and page size, no sink, no
         topk_length, LSE in base 2. Its head count is fixed, which SparseEnvelope cannot yet say (it holds a
-        maximum): the adapter refuses other counts (backends/fib_solution.py)."""
+        maximum): the adapter refuses other counts (fib/solution.py)."""
         assert self.topk is not None  # a sparse definition has one (read_definition)
         return SparseEnvelope(devices=devices, formats=(UNPACKED,), scales=("pow2",), topk_multiple=self.topk,
                               max_topk=self.topk, max_heads=self.heads, q_len=(1, 2), page_sizes=(self.page_size,),

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..problems.fib_definition import FibDefinition
 from ..problems.layouts import csr_to_block_table
+from .definition import FibDefinition
 
 QK_NOPE = 128  # Contract 1's qk_nope_head_dim: DeepSeek's, unused by the kernels here
 AUTHOR = "mla-verify"
@@ -56,9 +56,9 @@ def solution_source(target: str, definition: FibDefinition) -> str:
     module, _, attr = target.partition(":")
     params = [*definition.inputs, *definition.outputs]
     last = "kv_last_page_len" if "kv_last_page_len" in definition.inputs else "None"
-    return (f'"""{target} as a flashinfer-bench solution of {definition.name} (mla_verify.kernels.fib_solutions)."""\n'
+    return (f'"""{target} as a flashinfer-bench solution of {definition.name} (mla_verify.fib.contract1)."""\n'
             f"from {module} import {attr} as kernel\n"
-            "from mla_verify.kernels.fib_solutions import call_contract1\n\n\n"
+            "from mla_verify.fib.contract1 import call_contract1\n\n\n"
             f"def run({', '.join(params)}):\n"
             f"    call_contract1(kernel, q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, {last}, sm_scale,"
             " output, lse)\n")
@@ -91,7 +91,8 @@ def not_expressible(mutant: str, definition: FibDefinition) -> str | None:
     }
     if definition.page_size == 1:
         whole = "pages of one token: a sequence's last page is never partial"
-        reasons.update(partial_page_dropped=whole, reads_to_page_end=whole, nan_leak_unmasked_tail=whole)
+        reasons.update(partial_page_dropped=whole, reads_to_page_end=whole, nan_leak_unmasked_tail=whole,
+                       cache_written=whole + " (it writes the unused tail of one)")
     if definition.page_size == 64:
         reasons["page_size_assumed_64"] = "the definition's page size is 64"
     return reasons.get(mutant)

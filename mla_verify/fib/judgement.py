@@ -10,7 +10,8 @@ the outputs it judges.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ class FibJudgement:
     max_abs: float | None  # over the trials judged numerically (the evaluator's Correctness)
     max_rel: float | None
     detail: str
+    reference_nonfinite: bool = False  # its reference's own outputs hold inf/NaN: it fails every solution here
 
     @property
     def flagged(self) -> bool:
@@ -31,13 +33,15 @@ class FibJudgement:
     def line(self) -> str:
         """One line: would flashinfer-bench's evaluator flag it, and by what."""
         errors = "" if self.max_abs is None else f"max abs error {self.max_abs:.3g}, max rel error {self.max_rel:.3g}"
+        unjudgeable = (" -- its own reference's outputs are non-finite on this workload (an all-masked sparse row's "
+                       "LSE is -inf): it fails every solution here") if self.reference_nonfinite else ""
         if self.flagged:
-            return f"would flag it: {self.status} ({self.detail or errors})"
-        return f"would pass it ({errors}: within its atol = rtol = 1e-2)"
+            return f"would flag it: {self.status} ({self.detail or errors}){unjudgeable}"
+        return f"would pass it ({errors}: within its atol = rtol = 1e-2){unjudgeable}"
 
     def to_json(self) -> dict[str, object]:
         return {"status": self.status, "flagged": self.flagged, "max_abs": self.max_abs, "max_rel": self.max_rel,
-                "detail": self.detail}
+                "detail": self.detail, "reference_nonfinite": self.reference_nonfinite}
 
 
 def fib_judgement(references: list[list[torch.Tensor]],
@@ -45,9 +49,18 @@ def fib_judgement(references: list[list[torch.Tensor]],
     """The evaluator's verdict on ``solutions`` (per trial: the outputs in the definition's order, or what the
     call raised) against ``references`` (the definition reference's outputs, per trial)."""
     from flashinfer_bench.bench.config import BenchmarkConfig
-    from flashinfer_bench.bench.utils import compute_error_stats
 
     cfg = BenchmarkConfig()
+    unjudgeable = any(not bool(torch.isfinite(t).all()) for ref in references for t in ref)
+    verdict = _judged(references, solutions, cfg)
+    return replace(verdict, reference_nonfinite=unjudgeable)
+
+
+def _judged(references: list[list[torch.Tensor]], solutions: list[list[torch.Tensor] | Exception],
+            cfg: Any) -> FibJudgement:
+    """check_correctness's verdict (the module docstring), trial by trial."""
+    from flashinfer_bench.bench.utils import compute_error_stats
+
     max_abs = max_rel = 0.0
     incorrect = ""
     for trial, (ref, sol) in enumerate(zip(references, solutions)):

@@ -5,7 +5,7 @@ The solution is run as flashinfer-bench's evaluator runs it: its ``Runnable`` ca
 inputs in the definition's order, then -- destination-passing style (``spec.destination_passing_style``, the
 default) -- its outputs, which it writes in place; a value-returning solution returns them. mla-verify hands
 it the outputs poisoned (``output`` with +inf by the harness, ``lse`` with NaN here), so an element it leaves
-unwritten shows. The definition's constant axes are the envelope (problems/fib_definition.py): every problem
+unwritten shows. The definition's constant axes are the envelope (fib/definition.py): every problem
 drawn is one of the definition's. A python solution runs where torch does (``--device cpu`` too); triton,
 tilelang, CUDA and C++ solutions need a CUDA device.
 
@@ -22,10 +22,15 @@ from typing import Any
 
 import torch
 
+from ..backends import named_backend
+from ..backends.base import Backend, PreparedCall, SparseBackend
 from ..core.errors import UsageError
 from ..core.tracebacks import exception_line
 from ..problems.envelope import ENVELOPE_PREFIX
-from ..problems.fib_definition import (
+from ..problems.layouts import LayoutSpec
+from ..problems.problem import DecodeProblem
+from ..problems.sparse import D_V, SparseDecodeProblem, SparseSpec
+from .definition import (
     DENSE,
     FibDefinition,
     canonical_sparse_lse,
@@ -34,10 +39,6 @@ from ..problems.fib_definition import (
     read_definition,
     sparse_inputs,
 )
-from ..problems.layouts import LayoutSpec
-from ..problems.problem import DecodeProblem
-from ..problems.sparse import D_V, SparseDecodeProblem, SparseSpec
-from .base import Backend, PreparedCall, SparseBackend
 
 INSTALL = "pip install 'mla-verify[fib]'"  # the extra pins the flashinfer-bench version read here
 FIB_VERSION = "0.1.2"
@@ -247,7 +248,7 @@ class FibSparseSolutionBackend(SparseBackend):
     def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
         named = sparse_inputs(self.read, problem)
         B, Q = problem.batch, problem.q_len
-        outputs = output_buffers(self.read, B * Q, problem.device) if self.fib.destination_passing else None
+        outputs = output_buffers(self.read, B * Q, problem.query.device) if self.fib.destination_passing else None
 
         def invoke() -> Any:
             if outputs is not None:
@@ -283,33 +284,40 @@ def build(backend: FibBackend) -> None:
     backend.built.runnable()
 
 
-def recorded_backend(source: object) -> FibBackend | None:
-    """The backend a reproducer's ``kernel_source`` records, when it is a flashinfer-bench solution's."""
+def loaded_backend(name: str, source: object = None) -> Backend:
+    """The dense backend a run recorded (``name``, ``source``: Backend.source): the flashinfer-bench solution
+    ``source`` records, else backends.named_backend's (a registered name or a ``--kernel`` callable). How a
+    case worker and ``replay`` find the backend."""
     if isinstance(source, dict) and isinstance(source.get(SOURCE_SOLUTION), str):
         definition = source.get(SOURCE_DEFINITION)
-        return fib_backend(source[SOURCE_SOLUTION], definition if isinstance(definition, str) else None)
-    return None
+        backend = fib_backend(source[SOURCE_SOLUTION], definition if isinstance(definition, str) else None)
+        if not isinstance(backend, FibSolutionBackend):
+            raise UsageError(f"{name}: records a sparse flashinfer-bench solution, not a dense backend")
+        return backend
+    return named_backend(name, source)
 
 
-def run_as_evaluator(backend: FibBackend, args: list[Any],
-                     trials: int = 3) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | Exception]]:
-    """flashinfer-bench's evaluator on ``args`` (the definition's inputs, in order): the solution's outputs per
-    trial -- destination passing into ``torch.empty`` buffers (its allocate_outputs), else as returned -- and the
-    definition reference's, as DefaultEvaluator.build_baseline and check_correctness make them (their loop is
-    ours only because theirs synchronizes CUDA, which a CPU run has not). A trial whose call raises gives the
-    exception in place of its outputs."""
+def run_as_evaluator(backend: FibBackend, args: list[Any], trials: int = 3,
+                     references: list[list[torch.Tensor]] | None = None
+                     ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | Exception]]:
+    """flashinfer-bench's evaluator on ``args`` (the definition's inputs, in order): the definition reference's
+    outputs per trial (unless given as ``references``) and the solution's -- destination passing into
+    ``torch.empty`` buffers (its allocate_outputs), else as returned (its normalize_result) -- as
+    DefaultEvaluator.build_baseline and check_correctness make them (their loop is ours only because theirs
+    synchronizes CUDA, which a CPU run has not). A trial whose call raises gives the exception in place of its
+    outputs."""
     from flashinfer_bench.bench.evaluators.utils import allocate_outputs, normalize_result
     from flashinfer_bench.compile import BuilderRegistry
 
     fib = backend.fib
     device = next((str(a.device) for a in args if isinstance(a, torch.Tensor)), "cpu")
-    reference = BuilderRegistry.get_instance().build_reference(fib.definition)
+    if references is None:
+        reference = BuilderRegistry.get_instance().build_reference(fib.definition)
+        with torch.no_grad():
+            references = [normalize_result(fib.definition, reference(*args), device) for _ in range(trials)]
     runnable = backend.built.runnable()
     solutions: list[list[torch.Tensor] | Exception] = []
-    references: list[list[torch.Tensor]] = []
-    for _ in range(trials):
-        with torch.no_grad():
-            references.append(normalize_result(fib.definition, reference(*args), device))
+    for _ in references:
         try:
             with torch.no_grad():
                 if fib.destination_passing:
@@ -321,4 +329,3 @@ def run_as_evaluator(backend: FibBackend, args: list[Any],
         except Exception as exc:  # noqa: BLE001 - the evaluator's RUNTIME_ERROR
             solutions.append(exc)
     return references, solutions
-

@@ -1,0 +1,295 @@
+"""``check --fib-solution``: flashinfer-bench solutions judged as any kernel, and handed back as workloads.
+
+The definitions are flashinfer-bench's own (fixtures/fib, commit ecafa9c2); the solutions are the suite's
+kernels wrapped by fib/contract1.py, and the definitions' own reference code, built as a
+value-returning solution by flashinfer-bench's builder. The independent check of the layouts is that
+reference: run on a problem as the adapter lays it out, it must agree with mla-verify's reference.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_verify.cli.main import main
+from mla_verify.core.bits import same_bits
+from mla_verify.core.errors import UsageError
+from mla_verify.fib.contract1 import not_expressible, write_solution
+from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition, sparse_inputs
+from mla_verify.fib.judgement import fib_judgement
+from mla_verify.fib.solution import FibSolutionBackend, FibSparseSolutionBackend, fib_backend, run_as_evaluator
+from mla_verify.fib.workload import export_workload, load_workload_inputs
+from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.problems.generate import ProblemSpec, build_problem
+from mla_verify.problems.layouts import LayoutSpec
+from mla_verify.problems.reference import reference_decode
+from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
+from mla_verify.problems.sparse_reference import sparse_reference
+from mla_verify.records.failure import failure_lines
+from mla_verify.run.engine import verify
+
+pytest.importorskip("flashinfer_bench", reason="flashinfer-bench is not installed: pip install 'mla-verify[fib]'")
+
+DATASET = Path(__file__).resolve().parents[1] / "fixtures" / "fib"
+PEER = "mla_verify.backends.cpu_peer:cpu_peer_decode"
+DENSE_NAMES = {ps: f"mla_paged_decode_h16_ckv512_kpe64_ps{ps}" for ps in (1, 64)}
+H8 = "mla_paged_decode_h8_ckv512_kpe64_ps1"
+DSA = {ps: f"dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps{ps}" for ps in (1, 64)}
+
+
+def definition_path(name: str) -> Path:
+    return next(DATASET.rglob(f"{name}.json"))
+
+
+def definition(name: str):
+    path = definition_path(name)
+    return read_definition(json.loads(path.read_text()), str(path))
+
+
+@pytest.fixture(autouse=True)
+def fib_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flashinfer-bench's builder writes a python solution's sources under its cache: one per worker."""
+    monkeypatch.setenv("FIB_CACHE_PATH", str(tmp_path_factory.getbasetemp() / "fib-cache"))
+
+
+@pytest.fixture(scope="module")
+def solutions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU peer and every mutant as solutions of each dense definition: <dir>/<kernel>_<definition>.json."""
+    where = tmp_path_factory.mktemp("solutions")
+    for name in (*DENSE_NAMES.values(), H8):
+        read = definition(name)
+        write_solution(where / f"peer_{name}.json", f"cpu_peer_{name}", PEER, read)
+        for mutant in MUTANTS:
+            write_solution(where / f"{mutant}_{name}.json", f"{mutant}_{name}",
+                           f"mla_verify.kernels.mutants:{mutant}", read)
+    return where
+
+
+def reference_solution(tmp_path: Path, name: str) -> Path:
+    """The definition's own reference as a value-returning python solution (as flashinfer-bench builds it)."""
+    read = json.loads(definition_path(name).read_text())
+    solution = {"name": f"reference_{name}", "definition": name, "author": "flashinfer-bench",
+                "spec": {"language": "python", "target_hardware": ["cpu"], "entry_point": "main.py::run",
+                         "destination_passing_style": False},
+                "sources": [{"path": "main.py", "content": read["reference"]}]}
+    path = tmp_path / f"reference_{name}.json"
+    path.write_text(json.dumps(solution))
+    return path
+
+
+def run_main(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- the definitions
+def test_the_definitions_constant_axes_become_the_envelope() -> None:
+    for ps in (1, 64):
+        read = definition(DENSE_NAMES[ps])
+        env = read.envelope(("cpu", "cuda"), pass_out=True)
+        assert (read.kind, read.heads, read.page_size) == (DENSE, 16, ps)
+        assert env.page_sizes == (ps,) and env.heads == (16,) and env.dims == ((512, 64),)
+        assert env.dtypes == ("bf16",) and env.q_len == (1, 1) and env.lse_base == 2.0
+        assert ("kv_last_page_len" in read.inputs) == (ps > 1)
+    assert definition(H8).heads == 8
+    for ps in (1, 64):
+        read = definition(DSA[ps])
+        sparse = read.sparse_envelope(("cpu",))
+        assert (read.kind, read.topk, read.page_size) == (SPARSE, 2048, ps)
+        assert sparse.formats == ("bf16",) and sparse.max_topk == 2048 and not sparse.sinks
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda d: d["inputs"].update(qo_indptr={"shape": ["len_indptr"], "dtype": "int32"}), "has inputs"),
+    (lambda d: d["axes"]["num_qo_heads"].update(type="var"), "must be a constant"),
+    (lambda d: d["inputs"]["q_nope"].update(dtype="float16"), "q_nope is float16"),
+    (lambda d: d["inputs"].pop("kv_last_page_len"), "no kv_last_page_len"),
+])
+def test_a_definition_mla_verify_does_not_read_is_one_line(change, says) -> None:
+    data = json.loads(definition_path(DENSE_NAMES[64]).read_text())
+    change(data)
+    with pytest.raises(UsageError, match=says):
+        read_definition(data, "d.json")
+
+
+@pytest.mark.parametrize("name", [DENSE_NAMES[1], DENSE_NAMES[64], H8])
+def test_the_definitions_reference_agrees_with_ours_on_the_adapters_layout(name: str, tmp_path: Path) -> None:
+    """flashinfer-bench's own reference code, on a problem laid out by dense_inputs, against reference_decode:
+    the layout (CSR page lists, kv_last_page_len, split caches, sm_scale) means what the definition means."""
+    read = definition(name)
+    backend = fib_backend(reference_solution(tmp_path, name), definition_path(name))
+    spec = ProblemSpec(seq_lens=(1, 63, 64, 65, 130), num_heads=read.heads, page_size=read.page_size, extra_pages=2,
+                       softmax_scale=0.1352, seed=3)
+    problem = build_problem(spec)
+    refs, _ = run_as_evaluator(backend, list(dense_inputs(read, problem).values()), trials=1)
+    ours = reference_decode(problem, torch.float64)
+    out, lse = refs[0]
+    # fp32 against float64: a few bf16 ulps of the output (its rounding), fp32 sums in the LSE
+    torch.testing.assert_close(out.double(), ours.out[:, 0].to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ours.lse[:, 0] / math.log(2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ps", [1, 64])
+def test_the_dsa_reference_agrees_with_ours_and_its_empty_rows_convention_is_mapped(ps: int, tmp_path: Path) -> None:
+    """DSA: the definition's reference on sparse_inputs agrees with sparse_reference; on a row with no valid
+    entry it gives LSE -inf where ours gives +inf, which the adapter maps; and flashinfer-bench's evaluator fails
+    that -inf -- its own reference's output -- as non-finite."""
+    name = DSA[ps]
+    backend = fib_backend(reference_solution(tmp_path, name), definition_path(name))
+    assert isinstance(backend, FibSparseSolutionBackend)
+    spec = SparseSpec(batch=2, q_len=2, num_heads=16, topk=2048, page_size=ps, used_pages=4096 // ps, fmt="bf16",
+                      invalid=0.3, softmax_scale=0.1352, seed=5)
+    problem = build_sparse_problem(spec)
+    problem.indices[1, 0] = -1  # request 1's first query token: no valid entry
+    ours = sparse_reference(problem)
+    prepared = backend.prepare(problem)
+    out, lse = prepared.to_canonical(prepared.invoke())
+    assert lse is not None and float(lse[1, 0, 0]) == math.inf and float(ours.lse[1, 0, 0]) == math.inf
+    valid = torch.isfinite(ours.lse)
+    torch.testing.assert_close(out.double(), ours.out.to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse[valid].double(), ours.lse[valid] / math.log(2), atol=1e-4, rtol=1e-5)
+    refs, sols = run_as_evaluator(backend, list(sparse_inputs(backend.read, problem).values()), trials=1)
+    assert float(refs[0][1][2, 0]) == -math.inf  # flattened: token 2 is request 1's first
+    verdict = fib_judgement(refs, sols)
+    assert verdict.status == "INCORRECT_NUMERICAL" and "non-finite" in verdict.detail
+    assert verdict.reference_nonfinite and "fails every solution here" in verdict.line()
+
+
+# ---------------------------------------------------------------- the command
+@pytest.mark.parametrize("name, profile", [(DENSE_NAMES[1], "premerge"), (DENSE_NAMES[64], "premerge"),
+                                           (H8, "dev")])
+def test_the_cpu_peer_as_a_solution_passes(capsys, tmp_path: Path, solutions: Path, name: str, profile: str) -> None:
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"peer_{name}.json", "--fib-dataset",
+                              DATASET, "--profile", profile, "--fixtures-dir", tmp_path)
+    assert code == 0, out + err
+    assert f"fib:cpu_peer_{name}: PASS" in out and " 0 failed" in out
+
+
+def test_the_definitions_reference_as_a_value_returning_solution_passes(capsys, tmp_path: Path) -> None:
+    path = reference_solution(tmp_path, DENSE_NAMES[64])
+    code, out, err = run_main(capsys, "check", "--fib-solution", path, "--fib-definition",
+                              definition_path(DENSE_NAMES[64]), "--profile", "dev", "--fixtures-dir", tmp_path)
+    assert code == 0, out + err
+
+
+def _expressible() -> list[tuple[int, str]]:
+    return [(ps, m) for ps in (1, 64) for m in sorted(MUTANTS)
+            if not_expressible(m, definition(DENSE_NAMES[ps])) is None]
+
+
+@pytest.mark.parametrize("ps, mutant", _expressible())
+def test_every_mutant_the_definition_can_express_is_caught_with_a_minimal_case(solutions: Path, ps: int,
+                                                                               mutant: str) -> None:
+    name = DENSE_NAMES[ps]
+    result = verify(fib_backend(solutions / f"{mutant}_{name}.json", definition_path(name)), "cpu", "premerge")
+    assert result.verdict == "fail", f"{mutant} survived {len(result.cases)} cases on {name}"
+    spec = result.failure.spec
+    # every fault shows on at most three short requests: a few pages, or (split-KV) one sequence past 128 tokens
+    assert spec.batch <= 3 and max(spec.seq_lens) <= 2 * ps + 130, spec.describe()
+    assert result.failure.failures and failure_lines(result.failure, None)[0].startswith(f"FAIL fib:{mutant}_")
+
+
+def test_a_failure_becomes_a_workload_flashinfer_bench_loads_and_judges(capsys, tmp_path: Path,
+                                                                         solutions: Path) -> None:
+    name = DENSE_NAMES[64]
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"halves_swapped_{name}.json",
+                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
+    assert code == 1, out + err
+    assert "flashinfer-bench's evaluator on it: would flag it: INCORRECT_NUMERICAL" in out
+    jsonl = tmp_path / "fx" / "flashinfer-bench" / "workloads" / "mla_paged" / f"{name}.jsonl"
+    uuid = json.loads(jsonl.read_text().splitlines()[0])["workload"]["uuid"]
+    _, loaded = load_workload_inputs(tmp_path / "fx" / "flashinfer-bench", name, uuid)
+    fixture = next((tmp_path / "fx").glob("*.json"))
+    case = json.loads(fixture.read_text())
+    problem = build_problem(ProblemSpec.from_json(case["spec"]))
+    read = definition(name)
+    for got, want in zip(loaded, dense_inputs(read, problem).values()):  # the round trip keeps every bit
+        if isinstance(want, torch.Tensor):
+            assert same_bits(got, want)
+        else:
+            assert got == want
+    # the same case again is not exported twice
+    run_main(capsys, "replay", fixture)
+    again, out2, _ = run_main(capsys, "check", "--fib-solution", solutions / f"halves_swapped_{name}.json",
+                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
+    assert again == 1 and "already there" in out2 and len(jsonl.read_text().splitlines()) == 1
+
+
+def test_the_evaluator_passes_what_only_a_repeat_catches(tmp_path: Path, solutions: Path) -> None:
+    """A nondeterministic solution, within its tolerance on every call: mla-verify fails it (two calls differ),
+    flashinfer-bench's evaluator passes the very case, and the note says so."""
+    name = DENSE_NAMES[1]
+    backend = fib_backend(solutions / f"nondeterministic_{name}.json", definition_path(name))
+    assert isinstance(backend, FibSolutionBackend)
+    problem = build_problem(ProblemSpec(seq_lens=(40,), num_heads=16, page_size=1, seed=2))
+    exported = export_workload(tmp_path, definition_path(name), "case", backend.definition_inputs(problem))
+    _, args = load_workload_inputs(tmp_path, name, exported.uuid)
+    verdict = fib_judgement(*run_as_evaluator(backend, args))
+    assert not verdict.flagged and verdict.line().startswith("would pass it")
+    result = verify(backend, "cpu", "dev")
+    assert result.verdict == "fail" and "not bit-identical" in result.failure.reason
+
+
+def test_a_fib_reproducer_replays(capsys, tmp_path: Path, solutions: Path) -> None:
+    name = DENSE_NAMES[1]
+    code, _, _ = run_main(capsys, "check", "--fib-solution", solutions / f"heads_reversed_{name}.json",
+                          "--fib-dataset", DATASET, "--fixtures-dir", tmp_path, "--profile", "dev")
+    assert code == 1
+    fixture = next(p for p in tmp_path.glob("*.json"))
+    code, out, _ = run_main(capsys, "replay", fixture)
+    assert code == 1 and f"fib:heads_reversed_{name}" in out and "verdict: FAIL" in out
+
+
+# ---------------------------------------------------------------- usage errors
+@pytest.mark.parametrize("argv, says", [
+    (["--fib-definition", "x.json"], "names the definition of a --fib-solution"),
+    (["--fib-solution", "nowhere.json"], "does not exist"),
+    (["--fib-solution", "{peer}", "--fib-dataset", "{tmp}"], "has no definitions/ folder"),
+    (["--fib-solution", "{peer}"], "not found in a dataset above the solution"),
+    (["--fib-solution", "{peer}", "--fib-definition", "{other}"], "solves definition"),
+    (["--fib-solution", "{dsa}", "--fib-dataset", "{dataset}"], "sparse (top-k) definition"),
+    (["--fib-solution", "{broken}", "--fib-dataset", "{dataset}"], "could not build"),
+    (["--fib-solution", "{peer}", "--kernel", "a:b"], "not allowed with argument"),
+])
+def test_bad_fib_usage_is_one_line_and_exit_2(capsys, tmp_path: Path, solutions: Path, argv, says) -> None:
+    dsa = tmp_path / "dsa.json"
+    dsa.write_text(json.dumps({**json.loads(reference_solution(tmp_path, DSA[64]).read_text())}))
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**json.loads((solutions / f"peer_{DENSE_NAMES[64]}.json").read_text()),
+                                  "sources": [{"path": "main.py", "content": "def run(:\n"}]}))
+    values = {"peer": solutions / f"peer_{DENSE_NAMES[64]}.json", "tmp": tmp_path, "dataset": DATASET,
+              "other": definition_path(DENSE_NAMES[1]), "dsa": dsa, "broken": broken}
+    code, out, err = run_main(capsys, "check", *[a.format(**values) for a in argv])
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_without_flashinfer_bench_the_option_says_how_to_install_it(capsys, monkeypatch: pytest.MonkeyPatch,
+                                                                     solutions: Path) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer_bench", None)  # import flashinfer_bench now raises ImportError
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"peer_{DENSE_NAMES[1]}.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "pip install 'mla-verify[fib]'" in err
+
+
+def test_a_case_outside_the_definition_is_refused_before_the_kernel(solutions: Path) -> None:
+    backend = fib_backend(solutions / f"peer_{DENSE_NAMES[64]}.json", definition_path(DENSE_NAMES[64]))
+    spec = ProblemSpec(seq_lens=(5,), num_heads=16, page_size=64)
+    assert backend.why_not(spec, LayoutSpec(), torch.device("cpu")) is None
+    for other in (replace(spec, page_size=1), replace(spec, num_heads=8), replace(spec, q_len=2),
+                  replace(spec, dtype="fp8")):
+        assert backend.why_not(other, LayoutSpec(), torch.device("cpu")).startswith("outside its envelope")
+
+
+def test_isolated_cases_load_the_solution_in_their_worker(capsys, tmp_path: Path, solutions: Path) -> None:
+    """--isolate: each case worker loads the backend from what the run records (the solution's and the
+    definition's files), as a replay does."""
+    name = DENSE_NAMES[64]
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"length_minus_1_{name}.json",
+                              "--fib-dataset", DATASET, "--isolate", "--profile", "dev", "--fixtures-dir", tmp_path)
+    assert code == 1 and f"FAIL fib:length_minus_1_{name}:" in out, out + err
