@@ -20,7 +20,7 @@ from mla_verify.cli.main import main
 from mla_verify.core.bits import same_bits
 from mla_verify.core.errors import UsageError
 from mla_verify.fib.contract1 import not_expressible, write_solution
-from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition, sparse_inputs
+from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition
 from mla_verify.fib.judgement import fib_judgement
 from mla_verify.fib.solution import FibSolutionBackend, FibSparseSolutionBackend, fib_backend, run_as_evaluator
 from mla_verify.fib.workload import export_workload, load_workload_inputs
@@ -154,7 +154,10 @@ def test_the_dsa_reference_agrees_with_ours_and_its_empty_rows_convention_is_map
     valid = torch.isfinite(ours.lse)
     torch.testing.assert_close(out.double(), ours.out.to(torch.bfloat16).double(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse[valid].double(), ours.lse[valid] / math.log(2), atol=1e-4, rtol=1e-5)
-    refs, sols = run_as_evaluator(backend, list(sparse_inputs(backend.read, problem).values()), trials=1)
+    exported = export_workload(tmp_path / "dataset", definition_path(name), "sparse",
+                               backend.definition_inputs(problem))
+    _, args = load_workload_inputs(tmp_path / "dataset", name, exported.uuid)  # as its evaluator loads it
+    refs, sols = run_as_evaluator(backend, args, trials=1)
     assert float(refs[0][1][2, 0]) == -math.inf  # flattened: token 2 is request 1's first
     verdict = fib_judgement(refs, sols)
     assert verdict.status == "INCORRECT_NUMERICAL" and "non-finite" in verdict.detail

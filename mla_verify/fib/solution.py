@@ -15,6 +15,7 @@ error naming that command. Docs: docs/flashinfer-bench.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -176,79 +177,26 @@ def _returned(result: Any, outputs: tuple[str, ...]) -> dict[str, Any]:
     return dict(zip(outputs, values))
 
 
-class FibSolutionBackend(Backend):
-    """A flashinfer-bench solution of an ``mla_paged`` decode definition, called as the evaluator calls it."""
+class _Adapter:
+    """What the dense and the sparse adapter share: the solution, its names, and the evaluator's call."""
 
-    def __init__(self, fib: FibSolution) -> None:
-        self.fib = fib
-        self.read = fib.read
+    name: str
+    description: str
+    source: dict[str, str] | None
+
+    def _adapt(self, fib: FibSolution) -> None:
+        self.fib, self.read, self.built = fib, fib.read, _Built(fib)
         self.name = NAME_PREFIX + str(fib.solution.name)
-        self.envelope = fib.read.envelope(fib.devices, fib.destination_passing)
-        self.description = (f"flashinfer-bench solution {fib.solution.name} ({fib.language}) of "
-                            f"{fib.read.describe()}")
+        self.description = f"flashinfer-bench solution {fib.solution.name} ({fib.language}) of {fib.read.describe()}"
         self.source = {SOURCE_SOLUTION: str(fib.solution_path), SOURCE_DEFINITION: str(fib.definition_path)}
-        self.built = _Built(fib)
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        reason = super().unavailable_reason(device)
-        if reason is not None and self.fib.language not in CPU_LANGUAGES:
-            return f"a {self.fib.language} solution {reason}"
-        return reason
-
-    def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
-        named = dense_inputs(self.read, problem)
-        B = problem.batch
-        dps = self.fib.destination_passing
-        outputs = output_buffers(self.read, B, problem.device) if dps else None
-
-        def invoke() -> Any:
-            if outputs is not None:
-                outputs["lse"].fill_(POISON_LSE)  # `output` the harness poisons (PreparedCall.out)
-            return self.built.call(list(named.values()), outputs)
-
-        def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-            got = outputs if outputs is not None else _returned(result, self.read.outputs)
-            out, lse = got["output"], got["lse"]
-            for what, t in (("output", out), ("lse", lse)):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{what} is a {type(t).__name__}, not a tensor")
-            return out.unsqueeze(1), (lse.unsqueeze(1) if layout.return_lse else None)  # one query token
-
-        inputs = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
-        return PreparedCall(invoke, inputs, None if outputs is None else outputs["output"], to_canonical,
-                            output_scale=problem.bmm2_scale)
-
-    def definition_inputs(self, problem: DecodeProblem) -> dict[str, torch.Tensor | float]:
-        """``problem`` as the definition's named inputs (what a workload of it stores)."""
-        return dense_inputs(self.read, problem)
-
-
-class FibSparseSolutionBackend(SparseBackend):
-    """A flashinfer-bench solution of a ``dsa_paged`` sparse attention definition (problems/sparse.py's kind)."""
-
-    def __init__(self, fib: FibSolution) -> None:
-        if (fib.read.kv_lora_rank, fib.read.rope) != (D_V, 576 - D_V):
-            raise UsageError(f"--fib-solution: {fib.read.describe()}: sparse problems have rows of "
-                             f"{D_V} + {576 - D_V} values")
-        self.fib = fib
-        self.read = fib.read
-        self.name = NAME_PREFIX + str(fib.solution.name)
-        self.envelope = fib.read.sparse_envelope(fib.devices)
-        self.description = (f"flashinfer-bench solution {fib.solution.name} ({fib.language}) of "
-                            f"{fib.read.describe()}")
-        self.source = {SOURCE_SOLUTION: str(fib.solution_path), SOURCE_DEFINITION: str(fib.definition_path)}
-        self.built = _Built(fib)
-
-    def why_not(self, spec: SparseSpec, device: torch.device) -> str | None:
-        reason = super().why_not(spec, device)
-        if reason is None and spec.num_heads != self.read.heads:  # the envelope holds a maximum only
-            return f"{ENVELOPE_PREFIX}: {spec.num_heads} heads (the definition's: {self.read.heads})"
-        return reason
-
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
-        named = sparse_inputs(self.read, problem)
-        B, Q = problem.batch, problem.q_len
-        outputs = output_buffers(self.read, B * Q, problem.query.device) if self.fib.destination_passing else None
+    def _prepared(self, named: dict[str, torch.Tensor | float], rows: int, device: torch.device,
+                  canonical: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+                  output_scale: float = 1.0) -> PreparedCall:
+        """The call on ``named`` (the definition's inputs) with ``rows`` output rows; ``canonical`` maps its
+        (output, lse) to the canonical form. Destination passing: the outputs are handed over poisoned (the
+        harness fills ``output``, ``invoke`` the LSE)."""
+        outputs = output_buffers(self.read, rows, device) if self.fib.destination_passing else None
 
         def invoke() -> Any:
             if outputs is not None:
@@ -257,13 +205,68 @@ class FibSparseSolutionBackend(SparseBackend):
 
         def to_canonical(result: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             got = outputs if outputs is not None else _returned(result, self.read.outputs)
-            out, lse = got["output"], got["lse"]
-            return out.unflatten(0, (B, Q)), canonical_sparse_lse(lse).unflatten(0, (B, Q))
+            for what in self.read.outputs:
+                if not isinstance(got[what], torch.Tensor):
+                    raise TypeError(f"{what} is a {type(got[what]).__name__}, not a tensor")
+            return canonical(got["output"], got["lse"])
 
         inputs = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
-        return PreparedCall(invoke, inputs, None if outputs is None else outputs["output"], to_canonical)
+        return PreparedCall(invoke, inputs, None if outputs is None else outputs["output"], to_canonical,
+                            output_scale=output_scale)
+
+
+class FibSolutionBackend(_Adapter, Backend):
+    """A flashinfer-bench solution of an ``mla_paged`` decode definition, called as the evaluator calls it."""
+
+    def __init__(self, fib: FibSolution) -> None:
+        self._adapt(fib)
+        self.envelope = fib.read.envelope(fib.devices, fib.destination_passing)
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        reason = super().unavailable_reason(device)
+        if reason is not None and self.fib.language not in CPU_LANGUAGES:
+            return f"a {self.fib.language} solution {reason}"
+        return reason
+
+    def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
+        def canonical(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return out.unsqueeze(1), (lse.unsqueeze(1) if layout.return_lse else None)  # one query token
+
+        # the definition has no output scale: bmm2 is applied to the output by the harness, in float64
+        return self._prepared(dense_inputs(self.read, problem), problem.batch, problem.device, canonical,
+                              output_scale=problem.bmm2_scale)
+
+    def definition_inputs(self, problem: DecodeProblem) -> dict[str, torch.Tensor | float]:
+        """``problem`` as the definition's named inputs (what a workload of it stores)."""
+        return dense_inputs(self.read, problem)
+
+
+class FibSparseSolutionBackend(_Adapter, SparseBackend):
+    """A flashinfer-bench solution of a ``dsa_paged`` sparse attention definition (problems/sparse.py's kind)."""
+
+    def __init__(self, fib: FibSolution) -> None:
+        if (fib.read.kv_lora_rank, fib.read.rope) != (D_V, 576 - D_V):
+            raise UsageError(f"--fib-solution: {fib.read.describe()}: sparse problems have rows of "
+                             f"{D_V} + {576 - D_V} values")
+        self._adapt(fib)
+        self.envelope = fib.read.sparse_envelope(fib.devices)
+
+    def why_not(self, spec: SparseSpec, device: torch.device) -> str | None:
+        reason = super().why_not(spec, device)
+        if reason is None and spec.num_heads != self.read.heads:  # the envelope holds a maximum only
+            return f"{ENVELOPE_PREFIX}: {spec.num_heads} heads (the definition's: {self.read.heads})"
+        return reason
+
+    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
+        B, Q = problem.batch, problem.q_len
+
+        def canonical(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return out.unflatten(0, (B, Q)), canonical_sparse_lse(lse).unflatten(0, (B, Q))
+
+        return self._prepared(sparse_inputs(self.read, problem), B * Q, problem.query.device, canonical)
 
     def definition_inputs(self, problem: SparseDecodeProblem) -> dict[str, torch.Tensor | float]:
+        """``problem`` as the definition's named inputs (what a workload of it stores)."""
         return sparse_inputs(self.read, problem)
 
 
