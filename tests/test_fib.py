@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -270,14 +269,6 @@ def test_bad_fib_usage_is_one_line_and_exit_2(capsys, tmp_path: Path, solutions:
               "other": definition_path(DENSE_NAMES[1]), "dsa": dsa, "broken": broken}
     code, out, err = run_main(capsys, "check", *[a.format(**values) for a in argv])
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
-
-
-def test_without_flashinfer_bench_the_option_says_how_to_install_it(capsys, monkeypatch: pytest.MonkeyPatch,
-                                                                     solutions: Path) -> None:
-    monkeypatch.setitem(sys.modules, "flashinfer_bench", None)  # import flashinfer_bench now raises ImportError
-    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"peer_{DENSE_NAMES[1]}.json")
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "pip install 'mla-verify[fib]'" in err
 
 
 def test_a_case_outside_the_definition_is_refused_before_the_kernel(solutions: Path) -> None:
