@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mla_verify.cli.fib import hand_back
 from mla_verify.cli.main import main
 from mla_verify.core.bits import same_bits
 from mla_verify.core.errors import UsageError
@@ -31,6 +32,7 @@ from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
 from mla_verify.problems.sparse_reference import sparse_reference
 from mla_verify.records.failure import failure_lines
 from mla_verify.run.engine import verify
+from mla_verify.run.harness import CaseResult
 
 pytest.importorskip("flashinfer_bench", reason="flashinfer-bench is not installed: pip install 'mla-verify[fib]'")
 
@@ -287,3 +289,15 @@ def test_isolated_cases_load_the_solution_in_their_worker(capsys, tmp_path: Path
     code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"length_minus_1_{name}.json",
                               "--fib-dataset", DATASET, "--isolate", "--profile", "dev", "--fixtures-dir", tmp_path)
     assert code == 1 and f"FAIL fib:length_minus_1_{name}:" in out, out + err
+
+
+def test_a_crashed_case_is_exported_but_not_run_again_here(tmp_path: Path, solutions: Path) -> None:
+    """A case whose solution crashed its (isolated) worker: its workload is written, and flashinfer-bench's
+    evaluator is not run on it in the checking process, which the crash would take down."""
+    name = DENSE_NAMES[1]
+    backend = fib_backend(solutions / f"peer_{name}.json", definition_path(name))
+    failure = CaseResult(backend.name, ProblemSpec(seq_lens=(3, 5), num_heads=16, page_size=1), LayoutSpec(), "none",
+                         "fail", crash="killed by SIGSEGV (Segmentation fault)")
+    lines = hand_back(backend, failure, tmp_path, torch.device("cpu"))
+    assert lines[0].startswith("  flashinfer-bench workload: ") and len(lines) == 2
+    assert lines[1] == "  flashinfer-bench's evaluator on it: not run here (the solution crashed on this case)"

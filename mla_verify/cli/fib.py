@@ -59,10 +59,13 @@ def hand_back(backend: Any, failure: CaseResult, fixtures_dir: Path, device: tor
         exported = export_workload(root, backend.fib.definition_path, failure.id, backend.definition_inputs(problem))
     except OSError as exc:
         return [f"  flashinfer-bench workload: not written ({exc.strerror}: {exc.filename})"]
+    lines = [f"  flashinfer-bench workload: {exported.describe()}"]
+    if failure.crash or failure.hung:  # run again here, it would take this process down or hang it
+        return lines + ["  flashinfer-bench's evaluator on it: not run here (the solution "
+                        + ("crashed" if failure.crash else "did not return") + " on this case)"]
     verdict = evaluator_verdict(backend, exported, device)
     beyond = "" if verdict.flagged else " -- what mla-verify found is outside what it checks"
-    return [f"  flashinfer-bench workload: {exported.describe()}",
-            f"  flashinfer-bench's evaluator on it: {verdict.line()}{beyond}"]
+    return lines + [f"  flashinfer-bench's evaluator on it: {verdict.line()}{beyond}"]
 
 
 def evaluator_verdict(backend: FibSolutionBackend, exported: ExportedWorkload, device: torch.device
