@@ -196,7 +196,6 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
     check_fib_arguments(ns)
-    sparse: list[tuple[Any, str | None]] = []
     backends: list[tuple[Any, str | None]]
     if ns.fib_solution is not None:
         backends = [(fib_solution_backend(ns, device), None)]
@@ -569,8 +568,9 @@ def sparse_envelope_summary(env: Any) -> str:
     """One line: what a sparse backend claims to handle."""
     archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
     pages = "any" if env.page_sizes is None else ",".join(map(str, sorted(env.page_sizes)))
+    heads = f"up to {env.max_heads}" if env.heads is None else "/".join(map(str, env.heads))
     return (f"devices {'/'.join(env.devices)} (arch {archs}); formats {'/'.join(env.formats)}; "
             f"scales {'/'.join(env.scales)}; topk a multiple of {env.topk_multiple} up to {env.max_topk}; "
-            f"heads up to {env.max_heads}; q_len {env.q_len[0]}-{env.q_len[1]}; page {pages}; "
+            f"heads {heads}; q_len {env.q_len[0]}-{env.q_len[1]}; page {pages}; "
             f"sinks {'yes' if env.sinks else 'no'}; LSE base {'2' if env.lse_base == 2 else 'e'}")
 
