@@ -113,6 +113,15 @@ def test_the_sparse_metamorphic_relations_are_judged_as_each_allows():
         "with each row's -1 entries moved to its front: max |out - ref|"), moved.failures
 
 
+def test_the_trtllm_sparse_face_is_the_same_correct_kernel_over_a_bf16_cache():
+    """``FaultySparseKernel.trtllm_sparse`` (how fib/contract1.py hands the sparse kernels a bf16 pool): the correct
+    kernel's face passes premerge on bf16 problems, called by Contract 1's trtllm-sparse convention."""
+    backend = kernel_backend(FaultySparseKernel().trtllm_sparse, "face", "trtllm-sparse")
+    backend.envelope = replace(backend.envelope, devices=("cpu",), formats=("bf16",))
+    result = verify(backend, "cpu", "premerge", max_examples=DRAWN)
+    assert result.verdict == "pass" and not any(c.verdict == "skip" for c in result.cases), result.failure
+
+
 def test_a_sparse_envelope_of_named_head_counts_is_drawn_cornered_and_shrunk_inside_them():
     """SparseEnvelope.heads, as Envelope's: the drawn cases, the corner cases and the shrink steps take only the
     head counts it names; a kernel of one's own declares them as any other field."""
