@@ -1,24 +1,29 @@
-"""flashinfer-bench's evaluator and mla-verify side by side, on the suite's 23 mutants wrapped as flashinfer-bench
-solutions (and the CPU peer, which both must pass): a benchmark, nothing is asserted.
+"""flashinfer-bench's evaluator and mla-verify side by side, on the suite's mutants wrapped as flashinfer-bench
+solutions -- the 23 dense ones (and the CPU peer, which both must pass) as solutions of ``mla_paged`` decode
+definitions, the 9 sparse ones (and the sparse stand-in) of ``dsa_paged`` sparse attention ones: a benchmark,
+nothing is asserted.
 
-For each ``mla_paged`` decode definition asked for (default: h16 at page sizes 1 and 64) and each kernel wrapped by
+For each definition asked for (default: h16 MLA decode and DSA at page sizes 1 and 64) and each kernel wrapped by
 mla_verify.fib.contract1:
 
-- flashinfer-bench's judgement, its way: the definition's 47 captured workload shapes (flashinfer-bench ecafa9c2,
-  ``flashinfer_trace/workloads/mla_paged/mla_paged_decode_h16_ckv512_kpe64_ps1.jsonl``: batch 1/16/64 and the total
-  KV tokens of each; the same shapes at page size 64, where the dataset has none), 3 trials each of fresh
-  ``torch.randn`` inputs drawn by its own ``gen_inputs``, judged as its DefaultEvaluator does
-  (fib/judgement.py). Two things differ from its dataset, and are said in the table's notes: the per-request
-  lengths of a batch (their blobs are not in its git repository: a seeded random split of the recorded total
-  here) and the pool (989669 pages there, ~1.1 GB of cache per trial; here the pages the batch uses, in random
-  order), which changes nothing its reference or a solution reads. Caught: any workload flagged.
+- flashinfer-bench's judgement, its way: 47 workload shapes -- the definition's own captured ones for MLA decode
+  (flashinfer-bench ecafa9c2, ``flashinfer_trace/workloads/mla_paged/mla_paged_decode_h16_ckv512_kpe64_ps1.jsonl``:
+  batch 1/16/64 and the total KV tokens of each; the same shapes at page size 64, where the dataset has none),
+  and for DSA, which has no captured workloads there, the same shapes as decode batches of one query token per
+  request, each token's top-k the slots of its own sequence (all of them up to 2048, in random order, then -1)
+  -- 3 trials each of fresh ``torch.randn`` values drawn by its own ``gen_inputs``, judged as its
+  DefaultEvaluator does (fib/judgement.py). Two things differ from its dataset, and are said in the table's notes:
+  the per-request lengths of a batch (their blobs are not in its git repository: a seeded random split of the
+  recorded total here) and the pool (989669 pages there, ~1.1 GB of cache per trial; here the pages the batch
+  uses, in random order), which changes nothing its reference or a solution reads. Caught: any workload flagged.
 - mla-verify's: ``mla-verify check --fib-solution`` on the premerge profile (run.engine.verify on the solution's
   backend), its verdict, minimal case and first failure.
 
-Writes the raw record (``--out``, JSON) and the table into ``--docs`` between its two marker lines.
+Writes the raw record (``--out``, JSON) and the tables, one per kind of definition, into ``--docs`` between its two
+marker lines.
 
     python benchmarks/fib_side_by_side.py --out /work/results-inbox/p42-fib/fib_side_by_side.json \\
-        --docs docs/flashinfer-bench.md [--definitions ps1,ps64] [--kernels a,b] [--workloads N]
+        --docs docs/flashinfer-bench.md [--definitions ps1,ps64,dsa_ps1,dsa_ps64] [--kernels a,b] [--workloads N]
     python benchmarks/fib_side_by_side.py --from-record RECORD.json --docs docs/flashinfer-bench.md  # render only
 """
 from __future__ import annotations
@@ -38,15 +43,20 @@ from mla_verify.fib.contract1 import not_expressible, write_solution
 from mla_verify.fib.definition import FibDefinition, read_definition
 from mla_verify.fib.judgement import fib_judgement
 from mla_verify.fib.solution import FibSolutionBackend, fib_backend, run_as_evaluator
-from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.kernels.mutants import MUTANTS, SPARSE_MUTANTS
+from mla_verify.problems.envelope import DENSE, SPARSE
 from mla_verify.run.engine import verify
 
 DEFINITIONS = {"ps1": "mla_paged/mla_paged_decode_h16_ckv512_kpe64_ps1.json",
                "ps64": "mla_paged/mla_paged_decode_h16_ckv512_kpe64_ps64.json",
-               "h8ps1": "mla_paged/mla_paged_decode_h8_ckv512_kpe64_ps1.json"}
-PEER = "cpu_peer"
-TARGETS = {PEER: "mla_verify.backends.cpu_peer:cpu_peer_decode",
-           **{m: f"mla_verify.kernels.mutants:{m}" for m in MUTANTS}}
+               "h8ps1": "mla_paged/mla_paged_decode_h8_ckv512_kpe64_ps1.json",
+               "dsa_ps1": "dsa_paged/dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps1.json",
+               "dsa_ps64": "dsa_paged/dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps64.json"}
+PEER, STAND_IN = "cpu_peer", "correct_sparse_kernel"
+# each kind's kernels: the correct one first; the sparse ones by their trtllm-sparse face, which takes a bf16 cache
+TARGETS = {DENSE: {PEER: "mla_verify.backends.cpu_peer:cpu_peer_decode",
+                   **{m: f"mla_verify.kernels.mutants:{m}" for m in MUTANTS}},
+           SPARSE: {k: f"mla_verify.kernels.mutants:{k}.trtllm_sparse" for k in (STAND_IN, *SPARSE_MUTANTS)}}
 # (batch_size, num_kv_indices) of the 47 workloads of mla_paged_decode_h16_ckv512_kpe64_ps1 at ecafa9c2, in order
 WORKLOADS = ((1, 8), (1, 108), (1, 208), (1, 308), (1, 408), (1, 508), (1, 608), (1, 708), (1, 808), (1, 2708),
              (1, 1908), (1, 1008), (1, 2408), (1, 1108), (1, 1208), (16, 2757), (16, 1857), (16, 3557), (16, 4357),
@@ -66,22 +76,39 @@ def lengths(batch: int, total: int, seed: int) -> list[int]:
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist()
 
 
-def workload_inputs(fib: Any, read: FibDefinition, batch: int, total: int, index: int, trial: int) -> list[Any]:
-    """One trial's inputs of workload ``index``, as flashinfer-bench's gen_inputs draws them (random tensors,
-    seeded here) around the CSR metadata of the split lengths."""
-    from flashinfer_bench.bench.utils import gen_inputs
-    from flashinfer_bench.data import SafetensorsInput, ScalarInput, Workload
-
+def _metadata(read: FibDefinition, batch: int, total: int, index: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(the workload's index inputs, the pool's pages): each request's pages in random order; for MLA decode the
+    CSR page lists, for DSA each request's one query token's top-k -- its sequence's slots, all of them up to topk,
+    in random order, then -1."""
     page = read.page_size
     lens = torch.tensor(lengths(batch, total, index), dtype=torch.int32)
     pages = (lens + page - 1) // page
     indptr = torch.nn.functional.pad(torch.cumsum(pages, 0), (1, 0)).to(torch.int32)
     gen = torch.Generator().manual_seed(index)
-    meta = {"kv_indptr": indptr, "kv_indices": torch.randperm(int(indptr[-1]), generator=gen).to(torch.int32),
-            "kv_last_page_len": (lens - (pages - 1) * page).to(torch.int32)}
-    meta = {k: v for k, v in meta.items() if k in read.inputs}
+    table = torch.randperm(int(indptr[-1]), generator=gen).to(torch.int32)
+    if read.kind == DENSE:
+        meta = {"kv_indptr": indptr, "kv_indices": table,
+                "kv_last_page_len": (lens - (pages - 1) * page).to(torch.int32)}
+        return {k: v for k, v in meta.items() if k in read.inputs}, int(indptr[-1])
+    assert read.topk is not None
+    rows = torch.full((batch, read.topk), -1, dtype=torch.int32)
+    for b in range(batch):
+        own = table[indptr[b]:indptr[b + 1]].long()
+        slots = (own[:, None] * page + torch.arange(page)).flatten()[:int(lens[b])]
+        chosen = slots[torch.randperm(len(slots), generator=gen)[:read.topk]]
+        rows[b, :len(chosen)] = chosen.to(torch.int32)
+    return {"sparse_indices": rows}, int(indptr[-1])
+
+
+def workload_inputs(fib: Any, read: FibDefinition, batch: int, total: int, index: int, trial: int) -> list[Any]:
+    """One trial's inputs of workload ``index``, as flashinfer-bench's gen_inputs draws them (random tensors,
+    seeded here) around the index inputs of the split lengths."""
+    from flashinfer_bench.bench.utils import gen_inputs
+    from flashinfer_bench.data import SafetensorsInput, ScalarInput, Workload
+
+    meta, num_pages = _metadata(read, batch, total, index)
     axes = fib.definition.get_axes_values_from_inputs(
-        [meta.get(n) if n in meta else _shaped(n, batch, int(indptr[-1]), read) for n in read.inputs])
+        [meta.get(n) if n in meta else _shaped(n, batch, num_pages, read) for n in read.inputs])
     workload = Workload(axes=axes, uuid=f"side-by-side-{index}",
                         inputs={**{k: SafetensorsInput(path="-", tensor_key=k) for k in meta},
                                 "sm_scale": ScalarInput(value=SM_SCALE)})
@@ -139,6 +166,12 @@ def _gist(reason: str) -> str:
     return reason[:cut].replace("|", "\\|")
 
 
+def _shape(case: str) -> str:
+    """A minimal case's description up to its incidental fields (scales, values, seed)."""
+    cut = min((i for i in (case.find(m) for m in (" bmm1=", " topk_lengths=")) if i > 0), default=len(case))
+    return case[:cut]
+
+
 def _cells(record: dict[str, Any], name: str, kernel: str) -> tuple[str, str]:
     d = record["definitions"][name]
     fib, ours, why = d["fib"][kernel], d["mla_verify"][kernel], d["not_expressible"].get(kernel)
@@ -149,54 +182,69 @@ def _cells(record: dict[str, Any], name: str, kernel: str) -> tuple[str, str]:
         fib_cell = f"passed (max abs error {fib['max_abs']:.2g})"
     ours_cell = "passed"
     if ours["verdict"] == "fail":
-        ours_cell = f"**caught**: {_gist(ours['reason'])}; minimal `{ours['minimal_case'].split(' bmm1=')[0]}`"
+        ours_cell = f"**caught**: {_gist(ours['reason'])}; minimal `{_shape(ours['minimal_case'])}`"
     return (f"{fib_cell}; not expressible: {why}" if why else fib_cell), ours_cell
 
 
-def table(record: dict[str, Any]) -> str:
-    names = list(record["definitions"])
-    lines = [f"Generated by `benchmarks/fib_side_by_side.py`: {machine_line(record['machine'])}; flashinfer-bench "
-             f"{record['flashinfer_bench']}. Raw record: `results:cpu/fib_side_by_side.json`.", ""]
+def table(record: dict[str, Any], kind: str) -> str:
+    """The summary lines and the table of the recorded definitions of ``kind``."""
+    names = [n for n, d in record["definitions"].items() if d["kind"] == kind]
+    correct, mutants = (PEER, MUTANTS) if kind == DENSE else (STAND_IN, SPARSE_MUTANTS)
+    kernels = record["kernels"][kind]
+    lines = []
     for name in names:
         d = record["definitions"][name]
-        expressible = [k for k in record["kernels"] if k in MUTANTS and k not in d["not_expressible"]]
+        expressible = [k for k in kernels if k in mutants and k not in d["not_expressible"]]
         fib = sum(bool(d["fib"][k]["flagged"]) for k in expressible)
         ours = sum(d["mla_verify"][k]["verdict"] == "fail" for k in expressible)
-        peer = PEER not in d["fib"] or (not d["fib"][PEER]["flagged"] and d["mla_verify"][PEER]["verdict"] == "pass")
+        passes = correct not in d["fib"] or (not d["fib"][correct]["flagged"]
+                                             and d["mla_verify"][correct]["verdict"] == "pass")
         lines.append(f"- `{d['definition']}`: of the {len(expressible)} mutants it can express, flashinfer-bench's "
-                     f"evaluator catches {fib}, mla-verify {ours}; the CPU peer passes both: "
-                     f"{'yes' if peer else 'NO'}.")
-    lines += ["", "| kernel | bug class | " + " | ".join(
+                     f"evaluator catches {fib}, mla-verify {ours}; the correct kernel (`{correct}`) passes both: "
+                     f"{'yes' if passes else 'NO'}.")
+    lines += ["", f"| kernel | {'bug class' if kind == DENSE else 'fault'} | " + " | ".join(
         f"{n}: flashinfer-bench's evaluator ({record['workloads']} workloads x {TRIALS} trials) | {n}: mla-verify "
         "premerge" for n in names) + " |", "|---|---|" + "---|---|" * len(names)]
-    for kernel in record["kernels"]:
-        mutant = MUTANTS.get(kernel)
+    for kernel in kernels:
+        what = MUTANTS[kernel].bug_class if kind == DENSE and kernel in MUTANTS else \
+            SPARSE_MUTANTS[kernel].description if kernel in SPARSE_MUTANTS else "(correct kernel)"
         cells = [c for name in names for c in _cells(record, name, kernel)]
-        lines.append(f"| {kernel} | {mutant.bug_class if mutant else '(correct kernel)'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {kernel} | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def tables(record: dict[str, Any]) -> str:
+    kinds = [k for k in (DENSE, SPARSE) if any(d["kind"] == k for d in record["definitions"].values())]
+    return "\n\n".join([f"Generated by `benchmarks/fib_side_by_side.py`: {machine_line(record['machine'])}; "
+                         f"flashinfer-bench {record['flashinfer_bench']}. Raw record: "
+                         "`results:cpu/fib_side_by_side.json`.", *(table(record, k) for k in kinds)])
 
 
 def write_table(docs: Path, record: dict[str, Any]) -> None:
     text = docs.read_text()
     begin, end = text.index(MARK_BEGIN) + len(MARK_BEGIN), text.index(MARK_END)
-    docs.write_text(text[:begin] + "\n" + table(record) + "\n" + text[end:])
-    print(f"wrote the table into {docs}")
+    docs.write_text(text[:begin] + "\n" + tables(record) + "\n" + text[end:])
+    print(f"wrote the tables into {docs}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the raw record (JSON)")
-    ap.add_argument("--docs", type=Path, help="a Markdown file with the marker lines: the table goes between them")
-    ap.add_argument("--definitions", default="ps1,ps64", help=f"comma-separated, of {', '.join(DEFINITIONS)}")
-    ap.add_argument("--kernels", default="", help="comma-separated mutant names and/or cpu_peer (default: all)")
+    ap.add_argument("--out", type=Path, help="the raw record (JSON)")
+    ap.add_argument("--docs", type=Path, help="a Markdown file with the marker lines: the tables go between them")
+    ap.add_argument("--definitions", default="ps1,ps64,dsa_ps1,dsa_ps64",
+                    help=f"comma-separated, of {', '.join(DEFINITIONS)}")
+    ap.add_argument("--kernels", default="", help="comma-separated kernel names of either kind (default: all)")
     ap.add_argument("--workloads", type=int, default=len(WORKLOADS), help="the first N workload shapes only")
-    ap.add_argument("--from-record", type=Path, help="only render --docs' table from this raw record")
+    ap.add_argument("--from-record", type=Path, help="only render --docs' tables from this raw record")
     args = ap.parse_args(argv)
     if args.from_record is not None:
         write_table(args.docs, json.loads(args.from_record.read_text()))
         return
+    if args.out is None:
+        ap.error("--out is required to run (only --from-record renders without it)")
     torch.set_num_threads(1)  # as mla-verify check runs on CPU
-    kernels = [k for k in args.kernels.split(",") if k] or list(TARGETS)
+    asked = [k for k in args.kernels.split(",") if k]
+    kernels = {kind: [k for k in targets if not asked or k in asked] for kind, targets in TARGETS.items()}
     record: dict[str, Any] = {"machine": machine_record(), "flashinfer_bench": version("flashinfer-bench"),
                               "workloads": args.workloads, "trials": TRIALS, "kernels": kernels, "definitions": {}}
     scratch = Path(tempfile.mkdtemp(prefix="fib-side-by-side-"))
@@ -204,12 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         path = REPO / "fixtures" / "fib" / "definitions" / DEFINITIONS[name]
         read = read_definition(json.loads(path.read_text()), str(path))
         backends: dict[str, FibSolutionBackend] = {}
-        for kernel in kernels:
+        for kernel in kernels[read.kind]:
             solution = write_solution(scratch / f"{kernel}_{read.name}.json", f"{kernel}_{read.name}",
-                                      TARGETS[kernel], read)
-            backend = fib_backend(solution, path)
-            assert isinstance(backend, FibSolutionBackend)
-            backends[kernel] = backend
+                                      TARGETS[read.kind][kernel], read)
+            backends[kernel] = fib_backend(solution, path)
         print(f"{read.name}: flashinfer-bench's evaluator", flush=True)
         with measured() as m:
             fib = judge_by_fib(backends, read, args.workloads)
@@ -217,8 +263,9 @@ def main(argv: list[str] | None = None) -> None:
         for kernel, backend in backends.items():
             ours[kernel] = judge_by_mla_verify(backend)
             print(f"{read.name}: mla-verify on {kernel}: {ours[kernel]['verdict']}", flush=True)
-        record["definitions"][name] = {"definition": read.name, "fib": fib, "fib_measured": m, "mla_verify": ours,
-                                       "not_expressible": {k: not_expressible(k, read) for k in kernels
+        record["definitions"][name] = {"definition": read.name, "kind": read.kind, "fib": fib, "fib_measured": m,
+                                       "mla_verify": ours,
+                                       "not_expressible": {k: not_expressible(k, read) for k in backends
                                                            if not_expressible(k, read)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,8 +1,9 @@
 """``check --fib-solution``: flashinfer-bench solutions judged as any kernel, and handed back as workloads.
 
-The definitions are flashinfer-bench's own (fixtures/fib, commit ecafa9c2); the solutions are the suite's
-kernels wrapped by fib/contract1.py, and the definitions' own reference code, built as a
-value-returning solution by flashinfer-bench's builder. The independent check of the layouts is that
+The definitions are flashinfer-bench's own (fixtures/fib, commit ecafa9c2): MLA paged decode (dense) and DSA
+sparse attention (sparse). The solutions are the suite's kernels wrapped by fib/contract1.py -- the CPU peer and
+the dense mutants, the sparse stand-in and the sparse mutants -- and the definitions' own reference code, built
+as a value-returning solution by flashinfer-bench's builder. The independent check of the layouts is that
 reference: run on a problem as the adapter lays it out, it must agree with mla-verify's reference.
 """
 from __future__ import annotations
@@ -20,24 +21,25 @@ from mla_verify.cli.main import main
 from mla_verify.core.bits import same_bits
 from mla_verify.core.errors import UsageError
 from mla_verify.fib.contract1 import not_expressible, write_solution
-from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition
+from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition, sparse_inputs
 from mla_verify.fib.judgement import fib_judgement
-from mla_verify.fib.solution import FibSolutionBackend, FibSparseSolutionBackend, fib_backend, run_as_evaluator
+from mla_verify.fib.solution import fib_backend, run_as_evaluator
 from mla_verify.fib.workload import export_workload, load_workload_inputs
-from mla_verify.kernels.mutants import MUTANTS
+from mla_verify.kernels.mutants import MUTANTS, SPARSE_MUTANTS
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.reference import reference_decode
-from mla_verify.problems.sparse import SparseSpec, build_sparse_problem
+from mla_verify.problems.sparse import SPARSE_LAYOUT, SparseSpec, build_sparse_problem
 from mla_verify.problems.sparse_reference import sparse_reference
 from mla_verify.records.failure import failure_lines
 from mla_verify.run.engine import verify
-from mla_verify.run.harness import CaseResult
+from mla_verify.run.harness import CaseResult, run_case
 
 pytest.importorskip("flashinfer_bench", reason="flashinfer-bench is not installed: pip install 'mla-verify[fib]'")
 
 DATASET = Path(__file__).resolve().parents[1] / "fixtures" / "fib"
 PEER = "mla_verify.backends.cpu_peer:cpu_peer_decode"
+STAND_IN = "correct_sparse_kernel"  # the sparse stand-in (kernels/mutants.py), as the sparse mutants' kernel is named
 DENSE_NAMES = {ps: f"mla_paged_decode_h16_ckv512_kpe64_ps{ps}" for ps in (1, 64)}
 H8 = "mla_paged_decode_h8_ckv512_kpe64_ps1"
 DSA = {ps: f"dsa_sparse_attention_h16_ckv512_kpe64_topk2048_ps{ps}" for ps in (1, 64)}
@@ -58,9 +60,15 @@ def fib_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     monkeypatch.setenv("FIB_CACHE_PATH", str(tmp_path_factory.getbasetemp() / "fib-cache"))
 
 
+def sparse_target(kernel: str) -> str:
+    """A sparse kernel of kernels/mutants.py by its ``trtllm-sparse`` face, which takes a bf16 cache."""
+    return f"mla_verify.kernels.mutants:{kernel}.trtllm_sparse"
+
+
 @pytest.fixture(scope="module")
 def solutions(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The CPU peer and every mutant as solutions of each dense definition: <dir>/<kernel>_<definition>.json."""
+    """The CPU peer and every mutant as solutions of each dense definition, the sparse stand-in and every sparse
+    mutant of each DSA definition: <dir>/<kernel>_<definition>.json."""
     where = tmp_path_factory.mktemp("solutions")
     for name in (*DENSE_NAMES.values(), H8):
         read = definition(name)
@@ -68,6 +76,10 @@ def solutions(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for mutant in MUTANTS:
             write_solution(where / f"{mutant}_{name}.json", f"{mutant}_{name}",
                            f"mla_verify.kernels.mutants:{mutant}", read)
+    for name in DSA.values():
+        for kernel in (STAND_IN, *SPARSE_MUTANTS):
+            write_solution(where / f"{kernel}_{name}.json", f"{kernel}_{name}", sparse_target(kernel),
+                           definition(name))
     return where
 
 
@@ -101,9 +113,11 @@ def test_the_definitions_constant_axes_become_the_envelope() -> None:
     assert definition(H8).heads == 8
     for ps in (1, 64):
         read = definition(DSA[ps])
-        sparse = read.sparse_envelope(("cpu",))
-        assert (read.kind, read.topk, read.page_size) == (SPARSE, 2048, ps)
-        assert sparse.formats == ("bf16",) and sparse.max_topk == 2048 and not sparse.sinks
+        sparse = read.envelope(("cpu",), pass_out=True)
+        assert (read.kind, read.topk, read.page_size) == (SPARSE, 2048, ps) and sparse.kind == SPARSE
+        assert sparse.formats == ("bf16",) and sparse.max_topk == sparse.topk_multiple == 2048 and not sparse.sinks
+        assert sparse.heads == (16,) and sparse.page_sizes == (ps,) and sparse.pass_out == (True,)
+        assert sparse.topk_length_formats == () and sparse.lse_base == 2.0
 
 
 @pytest.mark.parametrize("change, says", [
@@ -143,13 +157,13 @@ def test_the_dsa_reference_agrees_with_ours_and_its_empty_rows_convention_is_map
     that -inf -- its own reference's output -- as non-finite."""
     name = DSA[ps]
     backend = fib_backend(reference_solution(tmp_path, name), definition_path(name))
-    assert isinstance(backend, FibSparseSolutionBackend)
+    assert backend.kind == SPARSE
     spec = SparseSpec(batch=2, q_len=2, num_heads=16, topk=2048, page_size=ps, used_pages=4096 // ps, fmt="bf16",
                       invalid=0.3, softmax_scale=0.1352, seed=5)
     problem = build_sparse_problem(spec)
     problem.indices[1, 0] = -1  # request 1's first query token: no valid entry
     ours = sparse_reference(problem)
-    prepared = backend.prepare(problem)
+    prepared = backend.prepare(problem, SPARSE_LAYOUT)
     out, lse = prepared.to_canonical(prepared.invoke())
     assert lse is not None and float(lse[1, 0, 0]) == math.inf and float(ours.lse[1, 0, 0]) == math.inf
     valid = torch.isfinite(ours.lse)
@@ -230,7 +244,6 @@ def test_the_evaluator_passes_what_only_a_repeat_catches(tmp_path: Path, solutio
     flashinfer-bench's evaluator passes the very case, and the note says so."""
     name = DENSE_NAMES[1]
     backend = fib_backend(solutions / f"nondeterministic_{name}.json", definition_path(name))
-    assert isinstance(backend, FibSolutionBackend)
     problem = build_problem(ProblemSpec(seq_lens=(40,), num_heads=16, page_size=1, seed=2))
     exported = export_workload(tmp_path, definition_path(name), "case", backend.definition_inputs(problem))
     _, args = load_workload_inputs(tmp_path, name, exported.uuid)
@@ -257,18 +270,15 @@ def test_a_fib_reproducer_replays(capsys, tmp_path: Path, solutions: Path) -> No
     (["--fib-solution", "{peer}", "--fib-dataset", "{tmp}"], "has no definitions/ folder"),
     (["--fib-solution", "{peer}"], "not found in a dataset above the solution"),
     (["--fib-solution", "{peer}", "--fib-definition", "{other}"], "solves definition"),
-    (["--fib-solution", "{dsa}", "--fib-dataset", "{dataset}"], "sparse (top-k) definition"),
     (["--fib-solution", "{broken}", "--fib-dataset", "{dataset}"], "could not build"),
     (["--fib-solution", "{peer}", "--kernel", "a:b"], "not allowed with argument"),
 ])
 def test_bad_fib_usage_is_one_line_and_exit_2(capsys, tmp_path: Path, solutions: Path, argv, says) -> None:
-    dsa = tmp_path / "dsa.json"
-    dsa.write_text(json.dumps({**json.loads(reference_solution(tmp_path, DSA[64]).read_text())}))
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({**json.loads((solutions / f"peer_{DENSE_NAMES[64]}.json").read_text()),
                                   "sources": [{"path": "main.py", "content": "def run(:\n"}]}))
     values = {"peer": solutions / f"peer_{DENSE_NAMES[64]}.json", "tmp": tmp_path, "dataset": DATASET,
-              "other": definition_path(DENSE_NAMES[1]), "dsa": dsa, "broken": broken}
+              "other": definition_path(DENSE_NAMES[1]), "broken": broken}
     code, out, err = run_main(capsys, "check", *[a.format(**values) for a in argv])
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
@@ -280,15 +290,101 @@ def test_a_case_outside_the_definition_is_refused_before_the_kernel(solutions: P
     for other in (replace(spec, page_size=1), replace(spec, num_heads=8), replace(spec, q_len=2),
                   replace(spec, dtype="fp8")):
         assert backend.why_not(other, LayoutSpec(), torch.device("cpu")).startswith("outside its envelope")
+    sparse = fib_backend(solutions / f"{STAND_IN}_{DSA[64]}.json", definition_path(DSA[64]))
+    spec = SparseSpec(batch=1, num_heads=16, topk=2048, page_size=64, fmt="bf16")
+    layout = replace(SPARSE_LAYOUT, pass_out=True)  # destination passing
+    assert sparse.why_not(spec, layout, torch.device("cpu")) is None
+    for other in (replace(spec, page_size=1), replace(spec, num_heads=8), replace(spec, topk=64),
+                  replace(spec, fmt="V32"), replace(spec, sink="finite"), replace(spec, q_len=3)):
+        assert sparse.why_not(other, layout, torch.device("cpu")).startswith("outside its envelope")
+    assert sparse.why_not(spec, SPARSE_LAYOUT, torch.device("cpu")) == "outside its envelope: out not passed"
 
 
-def test_isolated_cases_load_the_solution_in_their_worker(capsys, tmp_path: Path, solutions: Path) -> None:
+@pytest.mark.parametrize("name, kernel", [(DENSE_NAMES[64], "length_minus_1"), (DSA[1], "minus1_unmasked")])
+def test_isolated_cases_load_the_solution_in_their_worker(capsys, tmp_path: Path, solutions: Path, name: str,
+                                                          kernel: str) -> None:
     """--isolate: each case worker loads the backend from what the run records (the solution's and the
-    definition's files), as a replay does."""
-    name = DENSE_NAMES[64]
-    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"length_minus_1_{name}.json",
+    definition's files), as a replay does; of either kind."""
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"{kernel}_{name}.json",
                               "--fib-dataset", DATASET, "--isolate", "--profile", "dev", "--fixtures-dir", tmp_path)
-    assert code == 1 and f"FAIL fib:length_minus_1_{name}:" in out, out + err
+    assert code == 1 and f"FAIL fib:{kernel}_{name}:" in out, out + err
+
+
+# ---------------------------------------------------------------- DSA (sparse) definitions
+@pytest.mark.parametrize("ps", [1, 64])
+def test_the_sparse_stand_in_as_a_dsa_solution_passes(capsys, tmp_path: Path, solutions: Path, ps: int) -> None:
+    """Premerge, every case inside the definition: none is skipped (the strategies draw its one head count, its
+    topk and page size, bf16 rows, no sink)."""
+    name = DSA[ps]
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"{STAND_IN}_{name}.json",
+                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path)
+    assert code == 0, out + err
+    assert f"fib:{STAND_IN}_{name}: PASS" in out and " 0 failed, 0 skipped)" in out, out
+
+
+def test_a_dsa_solution_gives_an_empty_rows_lse_as_minus_inf_and_is_judged_as_plus_inf(solutions: Path) -> None:
+    """The empty-row convention, the solution's side: the wrapped stand-in gives -inf (as the definition's
+    reference does) where Contract 1 -- and the canonical sparse problem -- has +inf; the adapter maps it back,
+    and the case passes."""
+    name = DSA[64]
+    backend = fib_backend(solutions / f"{STAND_IN}_{name}.json", definition_path(name))
+    spec = SparseSpec(batch=2, num_heads=16, topk=2048, page_size=64, used_pages=3, fmt="bf16", invalid=0.2, seed=4)
+    problem = build_sparse_problem(spec)
+    problem.indices[1, 0] = -1  # request 1's only query token: no valid entry
+    refs, sols = run_as_evaluator(backend, list(backend.definition_inputs(problem).values()), trials=1)
+    assert not isinstance(sols[0], Exception)
+    assert float(sols[0][1][1, 0]) == float(refs[0][1][1, 0]) == -math.inf
+    layout = replace(SPARSE_LAYOUT, pass_out=True)
+    prepared = backend.prepare(problem, layout)
+    _, lse = prepared.to_canonical(prepared.invoke())
+    assert lse is not None and bool((lse[1, 0] == math.inf).all()) and bool(lse[0].isfinite().all())
+    assert run_case(backend, spec, layout, "cpu", problem=problem).verdict == "pass"
+
+
+def _expressible_sparse() -> list[tuple[int, str]]:
+    return [(ps, m) for ps in (1, 64) for m in sorted(SPARSE_MUTANTS)
+            if not_expressible(m, definition(DSA[ps])) is None]
+
+
+@pytest.mark.parametrize("ps, mutant", _expressible_sparse())
+def test_every_sparse_mutant_a_dsa_definition_can_express_is_caught_with_a_minimal_case(solutions: Path, ps: int,
+                                                                                        mutant: str) -> None:
+    name = DSA[ps]
+    result = verify(fib_backend(solutions / f"{mutant}_{name}.json", definition_path(name)), "cpu", "premerge")
+    assert result.verdict == "fail", f"{mutant} survived {len(result.cases)} cases on {name}"
+    spec = result.failure.spec
+    # every fault shows on one query token of one request, over a pool of at most two pages
+    assert (spec.batch, spec.q_len, spec.num_heads) == (1, 1, 16) and spec.used_pages <= 2, spec.describe()
+    assert result.failure.failures and failure_lines(result.failure, None)[0].startswith(f"FAIL fib:{mutant}_")
+
+
+def test_a_dsa_failure_becomes_a_workload_flashinfer_bench_loads_and_replays(capsys, tmp_path: Path,
+                                                                             solutions: Path) -> None:
+    name = DSA[64]
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"v_rope_dims_{name}.json",
+                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
+    assert code == 1, out + err
+    assert "flashinfer-bench's evaluator on it: would flag it: INCORRECT_NUMERICAL" in out
+    jsonl = tmp_path / "fx" / "flashinfer-bench" / "workloads" / "dsa_paged" / f"{name}.jsonl"
+    uuid = json.loads(jsonl.read_text().splitlines()[0])["workload"]["uuid"]
+    _, loaded = load_workload_inputs(tmp_path / "fx" / "flashinfer-bench", name, uuid)
+    fixture = next((tmp_path / "fx").glob("*.json"))
+    problem = build_sparse_problem(SparseSpec.from_json(json.loads(fixture.read_text())["spec"]))
+    for got, want in zip(loaded, sparse_inputs(definition(name), problem).values()):  # every bit kept
+        assert same_bits(got, want) if isinstance(want, torch.Tensor) else got == want
+    code, out, _ = run_main(capsys, "replay", fixture)
+    assert code == 1 and f"fib:v_rope_dims_{name}" in out and "verdict: FAIL" in out
+
+
+def test_a_workload_with_an_empty_row_is_one_flashinfer_bench_cannot_judge(capsys, tmp_path: Path,
+                                                                          solutions: Path) -> None:
+    """The empty-row convention, the evaluator's side: an all -1 row's LSE is -inf in the definition's own
+    reference, and the evaluator fails any non-finite output -- the note says so."""
+    name = DSA[1]
+    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"empty_row_nan_{name}.json",
+                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path)
+    assert code == 1, out + err
+    assert "its own reference's outputs are non-finite on this workload" in out, out
 
 
 def test_a_crashed_case_is_exported_but_not_run_again_here(tmp_path: Path, solutions: Path) -> None:

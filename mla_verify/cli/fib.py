@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from ..core.errors import UsageError
-from ..fib.definition import SPARSE
 from ..fib.judgement import FibJudgement, fib_judgement
 from ..fib.solution import FibSolutionBackend, build, fib_backend, run_as_evaluator
 from ..fib.workload import ExportedWorkload, export_workload, load_workload_inputs
-from ..problems.generate import build_problem
+from ..kinds import kind_named
 from ..run.harness import CaseResult
 
 DATASET_DIR = "flashinfer-bench"  # under --fixtures-dir: the dataset failing cases are exported to
@@ -36,11 +35,6 @@ def check_fib_arguments(ns: argparse.Namespace) -> None:
 def fib_solution_backend(ns: argparse.Namespace, device: torch.device) -> FibSolutionBackend:
     """The backend of ``--fib-solution``, built, able to run on ``device``; else a UsageError."""
     backend = fib_backend(ns.fib_solution, ns.fib_definition, ns.fib_dataset)
-    if backend.read.kind == SPARSE:
-        raise UsageError(f"--fib-solution: {backend.read.describe()} is a sparse (top-k) definition: mla-verify "
-                         "reads it, but runs its solutions once sparse cases share the dense pipeline (issue "
-                         "#39); mla_paged decode definitions run now")
-    assert isinstance(backend, FibSolutionBackend)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         raise UsageError(f"{backend.name} cannot run on {device}: {reason}")
@@ -53,7 +47,7 @@ def hand_back(backend: Any, failure: CaseResult, fixtures_dir: Path, device: tor
     and what flashinfer-bench's evaluator says of it (none for another backend)."""
     if not isinstance(backend, FibSolutionBackend):
         return []
-    problem = failure.problem if failure.problem is not None else build_problem(failure.spec, device)
+    problem = failure.problem if failure.problem is not None else kind_named(backend.kind).build(failure.spec, device)
     root = fixtures_dir / DATASET_DIR
     try:
         exported = export_workload(root, backend.fib.definition_path, failure.id, backend.definition_inputs(problem))

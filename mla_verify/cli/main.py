@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify, dense or sparse (repeatable; list-backends names them)")
     which.add_argument("--fib-solution", metavar="SOLUTION.json",
-                       help="a flashinfer-bench solution of an mla_paged decode definition, built by "
-                            "flashinfer-bench's builder (needs the fib extra; docs/flashinfer-bench.md)")
+                       help="a flashinfer-bench solution of an mla_paged decode or dsa_paged sparse attention "
+                            "definition, built by flashinfer-bench's builder (needs the fib extra; "
+                            "docs/flashinfer-bench.md)")
     where = check.add_mutually_exclusive_group()
     where.add_argument("--fib-definition", metavar="DEFINITION.json",
                        help="the --fib-solution's definition (default: found by its name in the dataset the "

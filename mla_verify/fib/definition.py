@@ -30,12 +30,11 @@ from typing import Any
 import torch
 
 from ..core.errors import UsageError
-from ..problems.envelope import LSE_BASE_2, Envelope, SparseEnvelope
+from ..problems.envelope import DENSE, LSE_BASE_2, SPARSE, Envelope, SparseEnvelope
 from ..problems.layouts import csr_metadata
 from ..problems.problem import DecodeProblem
-from ..problems.sparse import UNPACKED, SparseDecodeProblem
+from ..problems.sparse import D_V, UNPACKED, SparseDecodeProblem
 
-DENSE, SPARSE = "dense", "sparse"
 # the inputs and outputs each kind's definitions have, in the definitions' order
 DENSE_INPUTS = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "kv_indptr", "kv_indices", "kv_last_page_len",
                 "sm_scale")
@@ -46,6 +45,7 @@ _CONST_AXES = {DENSE: ("num_qo_heads", "head_dim_ckv", "head_dim_kpe", "page_siz
 _DTYPES = {"q_nope": "bfloat16", "q_pe": "bfloat16", "ckv_cache": "bfloat16", "kpe_cache": "bfloat16",
            "kv_indptr": "int32", "kv_indices": "int32", "kv_last_page_len": "int32", "sparse_indices": "int32",
            "sm_scale": "float32", "output": "bfloat16", "lse": "float32"}
+SPARSE_ROPE = 64  # a bf16 sparse problem's rows: D_V latent values, then these rope ones (problems/sparse.py)
 READ = ("mla_paged decode definitions (inputs q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, "
         "[kv_last_page_len,] sm_scale) and dsa_paged sparse attention ones (q_nope, q_pe, ckv_cache, kpe_cache, "
         "sparse_indices, sm_scale), each with outputs output and lse")
@@ -71,24 +71,28 @@ class FibDefinition:
         return (f"{self.name} ({self.op_type}, {self.kind}: H={self.heads} ckv={self.kv_lora_rank} "
                 f"kpe={self.rope} page={self.page_size}{topk})")
 
-    def envelope(self, devices: tuple[str, ...], pass_out: bool) -> Envelope:
-        """The dense problems this definition takes: its heads, dims and page size, bf16, one query token, 3-D
-        caches handed over contiguous (the definition's ckv and kpe caches are tensors of their own) and the
-        table as CSR page lists (no width to vary). ``pass_out``: whether the solution is given its outputs
-        (destination passing) or returns them."""
+    def envelope(self, devices: tuple[str, ...], pass_out: bool) -> Envelope | SparseEnvelope:
+        """The problems this definition takes, of its kind: an ``Envelope`` (dense) or a ``SparseEnvelope``.
+        ``pass_out``: whether the solution is given its outputs (destination passing) or returns them."""
+        return self._dense(devices, pass_out) if self.kind == DENSE else self._sparse(devices, pass_out)
+
+    def _dense(self, devices: tuple[str, ...], pass_out: bool) -> Envelope:
+        """Its heads, dims and page size, bf16, one query token, 3-D caches handed over contiguous (the
+        definition's ckv and kpe caches are tensors of their own) and the table as CSR page lists (no width to
+        vary)."""
         return Envelope(devices=devices, page_sizes=(self.page_size,), dims=((self.kv_lora_rank, self.rope),),
                         heads=(self.heads,), max_heads=self.heads, dtypes=("bf16",), q_len=(1, 1), cache_dims=(3,),
                         page_strided=False, table_widths=("native",), pass_out=(pass_out,), lse=True,
                         lse_base=LSE_BASE_2, notes=f"flashinfer-bench definition {self.name}")
 
-    def sparse_envelope(self, devices: tuple[str, ...]) -> SparseEnvelope:
-        """The sparse problems this definition takes: bf16 rows, its topk and page size, no sink, no
-        topk_length, LSE in base 2. Its head count is fixed, which SparseEnvelope cannot yet say (it holds a
-        maximum): the adapter refuses other counts (fib/solution.py)."""
+    def _sparse(self, devices: tuple[str, ...], pass_out: bool) -> SparseEnvelope:
+        """bf16 rows, its heads, topk and page size, no sink, no topk_length, LSE in base 2; one or two query
+        tokens per request (the definition's rows are query tokens, whichever request they come from)."""
         assert self.topk is not None  # a sparse definition has one (read_definition)
         return SparseEnvelope(devices=devices, formats=(UNPACKED,), scales=("pow2",), topk_multiple=self.topk,
-                              max_topk=self.topk, max_heads=self.heads, q_len=(1, 2), page_sizes=(self.page_size,),
-                              topk_length_formats=(), sinks=False, lse_base=LSE_BASE_2,
+                              max_topk=self.topk, heads=(self.heads,), max_heads=self.heads, q_len=(1, 2),
+                              page_sizes=(self.page_size,), topk_length_formats=(), sinks=False,
+                              pass_out=(pass_out,), lse_base=LSE_BASE_2,
                               notes=f"flashinfer-bench definition {self.name}")
 
 
@@ -126,6 +130,9 @@ def read_definition(data: Any, where: str) -> FibDefinition:
     if kind == DENSE and const["page_size"] > 1 and "kv_last_page_len" not in inputs:
         raise UsageError(f"{where}: definition {name!r} has pages of {const['page_size']} tokens but no "
                          "kv_last_page_len: its sequences' lengths cannot be told")
+    if kind == SPARSE and (const["head_dim_ckv"], const["head_dim_kpe"]) != (D_V, SPARSE_ROPE):
+        raise UsageError(f"{where}: definition {name!r} has rows of {const['head_dim_ckv']} + "
+                         f"{const['head_dim_kpe']} values; mla-verify's sparse problems have {D_V} + {SPARSE_ROPE}")
     return FibDefinition(str(name), str(op_type), kind, const["num_qo_heads"], const["head_dim_ckv"],
                          const["head_dim_kpe"], const["page_size"], const.get("topk"), inputs, outputs)
 

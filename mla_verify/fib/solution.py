@@ -1,5 +1,7 @@
 """``--fib-solution SOLUTION.json``: a flashinfer-bench solution, built by flashinfer-bench's own builder, as a
-backend -- a calling-convention adapter, as user_kernel.py is for Contract-1 callables.
+backend of its definition's kind -- a calling-convention adapter, as user_kernel.py is for Contract-1
+callables: an ``mla_paged`` decode definition's solution is judged on dense decode problems, a ``dsa_paged``
+sparse attention one's on sparse (top-k) ones, through the one pipeline every backend runs in.
 
 The solution is run as flashinfer-bench's evaluator runs it: its ``Runnable`` called with the definition's
 inputs in the definition's order, then -- destination-passing style (``spec.destination_passing_style``, the
@@ -15,7 +17,6 @@ error naming that command. Docs: docs/flashinfer-bench.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,15 +25,13 @@ from typing import Any
 import torch
 
 from ..backends import named_backend
-from ..backends.base import Backend, PreparedCall, SparseBackend
+from ..backends.base import Backend, PreparedCall
 from ..core.errors import UsageError
 from ..core.tracebacks import exception_line
-from ..problems.envelope import ENVELOPE_PREFIX
 from ..problems.layouts import LayoutSpec
 from ..problems.problem import DecodeProblem
-from ..problems.sparse import D_V, SparseDecodeProblem, SparseSpec
+from ..problems.sparse import SparseDecodeProblem
 from .definition import (
-    DENSE,
     FibDefinition,
     canonical_sparse_lse,
     dense_inputs,
@@ -177,26 +176,35 @@ def _returned(result: Any, outputs: tuple[str, ...]) -> dict[str, Any]:
     return dict(zip(outputs, values))
 
 
-class _Adapter:
-    """What the dense and the sparse adapter share: the solution, its names, and the evaluator's call."""
+class FibSolutionBackend(Backend):
+    """A flashinfer-bench solution as a backend of its definition's kind -- dense for an ``mla_paged`` decode
+    definition, sparse for a ``dsa_paged`` one (its envelope says which) -- called as the evaluator calls it.
+    Destination passing: the outputs are handed over poisoned (the harness fills ``output``, ``invoke`` the LSE)."""
 
-    name: str
-    description: str
-    source: dict[str, str] | None
-
-    def _adapt(self, fib: FibSolution) -> None:
+    def __init__(self, fib: FibSolution) -> None:
         self.fib, self.read, self.built = fib, fib.read, _Built(fib)
         self.name = NAME_PREFIX + str(fib.solution.name)
         self.description = f"flashinfer-bench solution {fib.solution.name} ({fib.language}) of {fib.read.describe()}"
         self.source = {SOURCE_SOLUTION: str(fib.solution_path), SOURCE_DEFINITION: str(fib.definition_path)}
+        self.envelope = fib.read.envelope(fib.devices, fib.destination_passing)
 
-    def _prepared(self, named: dict[str, torch.Tensor | float], rows: int, device: torch.device,
-                  canonical: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
-                  output_scale: float = 1.0) -> PreparedCall:
-        """The call on ``named`` (the definition's inputs) with ``rows`` output rows; ``canonical`` maps its
-        (output, lse) to the canonical form. Destination passing: the outputs are handed over poisoned (the
-        harness fills ``output``, ``invoke`` the LSE)."""
-        outputs = output_buffers(self.read, rows, device) if self.fib.destination_passing else None
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        reason = super().unavailable_reason(device)
+        if reason is not None and self.fib.language not in CPU_LANGUAGES:
+            return f"a {self.fib.language} solution {reason}"
+        return reason
+
+    def definition_inputs(self, problem: DecodeProblem | SparseDecodeProblem) -> dict[str, torch.Tensor | float]:
+        """``problem`` as the definition's named inputs (what the solution is called with, a workload stores)."""
+        if isinstance(problem, SparseDecodeProblem):
+            return sparse_inputs(self.read, problem)
+        return dense_inputs(self.read, problem)
+
+    def prepare(self, problem: DecodeProblem | SparseDecodeProblem, layout: LayoutSpec) -> PreparedCall:
+        # the output's rows: one per request (dense, one query token each), one per query token (sparse)
+        B, Q = problem.batch, problem.q_len
+        named = self.definition_inputs(problem)
+        outputs = output_buffers(self.read, B * Q, problem.query.device) if self.fib.destination_passing else None
 
         def invoke() -> Any:
             if outputs is not None:
@@ -208,99 +216,41 @@ class _Adapter:
             for what in self.read.outputs:
                 if not isinstance(got[what], torch.Tensor):
                     raise TypeError(f"{what} is a {type(got[what]).__name__}, not a tensor")
-            return canonical(got["output"], got["lse"])
+            out, lse = got["output"].unflatten(0, (B, Q)), got["lse"].unflatten(0, (B, Q))
+            if isinstance(problem, SparseDecodeProblem):
+                return out, canonical_sparse_lse(lse)
+            return out, (lse if layout.return_lse else None)
 
         inputs = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+        # the definitions have no output scale: a dense problem's bmm2 is applied by the harness, in float64
+        scale = problem.bmm2_scale if isinstance(problem, DecodeProblem) else 1.0
         return PreparedCall(invoke, inputs, None if outputs is None else outputs["output"], to_canonical,
-                            output_scale=output_scale)
-
-
-class FibSolutionBackend(_Adapter, Backend):
-    """A flashinfer-bench solution of an ``mla_paged`` decode definition, called as the evaluator calls it."""
-
-    def __init__(self, fib: FibSolution) -> None:
-        self._adapt(fib)
-        self.envelope = fib.read.envelope(fib.devices, fib.destination_passing)
-
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        reason = super().unavailable_reason(device)
-        if reason is not None and self.fib.language not in CPU_LANGUAGES:
-            return f"a {self.fib.language} solution {reason}"
-        return reason
-
-    def prepare(self, problem: DecodeProblem, layout: LayoutSpec) -> PreparedCall:
-        def canonical(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return out.unsqueeze(1), (lse.unsqueeze(1) if layout.return_lse else None)  # one query token
-
-        # the definition has no output scale: bmm2 is applied to the output by the harness, in float64
-        return self._prepared(dense_inputs(self.read, problem), problem.batch, problem.device, canonical,
-                              output_scale=problem.bmm2_scale)
-
-    def definition_inputs(self, problem: DecodeProblem) -> dict[str, torch.Tensor | float]:
-        """``problem`` as the definition's named inputs (what a workload of it stores)."""
-        return dense_inputs(self.read, problem)
-
-
-class FibSparseSolutionBackend(_Adapter, SparseBackend):
-    """A flashinfer-bench solution of a ``dsa_paged`` sparse attention definition (problems/sparse.py's kind)."""
-
-    def __init__(self, fib: FibSolution) -> None:
-        if (fib.read.kv_lora_rank, fib.read.rope) != (D_V, 576 - D_V):
-            raise UsageError(f"--fib-solution: {fib.read.describe()}: sparse problems have rows of "
-                             f"{D_V} + {576 - D_V} values")
-        self._adapt(fib)
-        self.envelope = fib.read.sparse_envelope(fib.devices)
-
-    def why_not(self, spec: SparseSpec, device: torch.device) -> str | None:
-        reason = super().why_not(spec, device)
-        if reason is None and spec.num_heads != self.read.heads:  # the envelope holds a maximum only
-            return f"{ENVELOPE_PREFIX}: {spec.num_heads} heads (the definition's: {self.read.heads})"
-        return reason
-
-    def prepare(self, problem: SparseDecodeProblem) -> PreparedCall:
-        B, Q = problem.batch, problem.q_len
-
-        def canonical(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return out.unflatten(0, (B, Q)), canonical_sparse_lse(lse).unflatten(0, (B, Q))
-
-        return self._prepared(sparse_inputs(self.read, problem), B * Q, problem.query.device, canonical)
-
-    def definition_inputs(self, problem: SparseDecodeProblem) -> dict[str, torch.Tensor | float]:
-        """``problem`` as the definition's named inputs (what a workload of it stores)."""
-        return sparse_inputs(self.read, problem)
-
-
-FibBackend = FibSolutionBackend | FibSparseSolutionBackend
+                            output_scale=scale)
 
 
 def fib_backend(solution: str | Path, definition: str | Path | None = None,
-                dataset: str | Path | None = None) -> FibBackend:
-    """The backend of a solution (``load_solution``): dense for an ``mla_paged`` decode definition, sparse for a
-    ``dsa_paged`` one. Nothing is built yet (``build``)."""
-    fib = load_solution(solution, definition, dataset)
-    return FibSolutionBackend(fib) if fib.read.kind == DENSE else FibSparseSolutionBackend(fib)
+                dataset: str | Path | None = None) -> FibSolutionBackend:
+    """The backend of a solution (``load_solution``). Nothing is built yet (``build``)."""
+    return FibSolutionBackend(load_solution(solution, definition, dataset))
 
 
-def build(backend: FibBackend) -> None:
+def build(backend: FibSolutionBackend) -> None:
     """Build the solution now (flashinfer-bench's builder), so that a solution that does not build is a usage
     error before the first case, not a failure of every case."""
     backend.built.runnable()
 
 
 def loaded_backend(name: str, source: object = None) -> Backend:
-    """The dense backend a run recorded (``name``, ``source``: Backend.source): the flashinfer-bench solution
+    """The backend a run recorded (``name``, ``source``: Backend.source): the flashinfer-bench solution
     ``source`` records, else backends.named_backend's (a registered name or a ``--kernel`` callable). How a
     case worker and ``replay`` find the backend."""
     if isinstance(source, dict) and isinstance(source.get(SOURCE_SOLUTION), str):
         definition = source.get(SOURCE_DEFINITION)
-        backend = fib_backend(source[SOURCE_SOLUTION], definition if isinstance(definition, str) else None)
-        if not isinstance(backend, FibSolutionBackend):
-            raise UsageError(f"{name}: records a sparse flashinfer-bench solution, not a dense backend")
-        return backend
+        return fib_backend(source[SOURCE_SOLUTION], definition if isinstance(definition, str) else None)
     return named_backend(name, source)
 
 
-def run_as_evaluator(backend: FibBackend, args: list[Any], trials: int = 3,
+def run_as_evaluator(backend: FibSolutionBackend, args: list[Any], trials: int = 3,
                      references: list[list[torch.Tensor]] | None = None
                      ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | Exception]]:
     """flashinfer-bench's evaluator on ``args`` (the definition's inputs, in order): the definition reference's
