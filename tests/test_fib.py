@@ -21,11 +21,12 @@ from mla_verify.cli.main import main
 from mla_verify.core.bits import same_bits
 from mla_verify.core.errors import UsageError
 from mla_verify.fib.contract1 import not_expressible, write_solution
-from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition, sparse_inputs
+from mla_verify.fib.definition import DENSE, SPARSE, dense_inputs, read_definition
 from mla_verify.fib.judgement import fib_judgement
 from mla_verify.fib.solution import fib_backend, run_as_evaluator
 from mla_verify.fib.workload import export_workload, load_workload_inputs
 from mla_verify.kernels.mutants import MUTANTS, SPARSE_MUTANTS
+from mla_verify.kinds import kind_named
 from mla_verify.problems.generate import ProblemSpec, build_problem
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.reference import reference_decode
@@ -196,46 +197,58 @@ def test_the_definitions_reference_as_a_value_returning_solution_passes(capsys, 
     assert code == 0, out + err
 
 
-def _expressible() -> list[tuple[int, str]]:
-    return [(ps, m) for ps in (1, 64) for m in sorted(MUTANTS)
-            if not_expressible(m, definition(DENSE_NAMES[ps])) is None]
+def _expressible() -> list[tuple[str, str]]:
+    """(definition, mutant): every dense mutant each MLA decode definition can express, every sparse one each DSA
+    definition can."""
+    return [(name, m) for names, mutants in ((DENSE_NAMES, MUTANTS), (DSA, SPARSE_MUTANTS))
+            for name in names.values() for m in sorted(mutants) if not_expressible(m, definition(name)) is None]
 
 
-@pytest.mark.parametrize("ps, mutant", _expressible())
-def test_every_mutant_the_definition_can_express_is_caught_with_a_minimal_case(solutions: Path, ps: int,
-                                                                               mutant: str) -> None:
-    name = DENSE_NAMES[ps]
+@pytest.mark.parametrize("name, mutant", _expressible())
+def test_every_mutant_a_definition_can_express_is_caught_with_a_minimal_case(solutions: Path, name: str,
+                                                                             mutant: str) -> None:
     result = verify(fib_backend(solutions / f"{mutant}_{name}.json", definition_path(name)), "cpu", "premerge")
     assert result.verdict == "fail", f"{mutant} survived {len(result.cases)} cases on {name}"
     spec = result.failure.spec
-    # every fault shows on at most three short requests: a few pages, or (split-KV) one sequence past 128 tokens
-    assert spec.batch <= 3 and max(spec.seq_lens) <= 2 * ps + 130, spec.describe()
+    if mutant in SPARSE_MUTANTS:
+        # every sparse fault shows on one query token of one request, over a pool of at most two pages
+        assert (spec.batch, spec.q_len, spec.num_heads) == (1, 1, 16) and spec.used_pages <= 2, spec.describe()
+    else:
+        # every fault shows on at most three short requests: a few pages, or (split-KV) one sequence past 128
+        # tokens
+        page = definition(name).page_size
+        assert spec.batch <= 3 and max(spec.seq_lens) <= 2 * page + 130, spec.describe()
     assert result.failure.failures and failure_lines(result.failure, None)[0].startswith(f"FAIL fib:{mutant}_")
+
+
+def check_a_failure_and_its_workload(capsys, fx: Path, solution: Path, name: str) -> tuple[Path, Path]:
+    """``check`` a failing solution: the evaluator's note flags its minimal case, whose workload flashinfer-bench
+    loads back bit for bit. (the reproducer, the workload's JSON lines)"""
+    code, out, err = run_main(capsys, "check", "--fib-solution", solution, "--fib-dataset", DATASET,
+                              "--fixtures-dir", fx)
+    assert code == 1, out + err
+    assert "flashinfer-bench's evaluator on it: would flag it: INCORRECT_NUMERICAL" in out
+    jsonl = fx / "flashinfer-bench" / "workloads" / definition(name).op_type / f"{name}.jsonl"
+    uuid = json.loads(jsonl.read_text().splitlines()[0])["workload"]["uuid"]
+    _, loaded = load_workload_inputs(fx / "flashinfer-bench", name, uuid)
+    fixture = next(fx.glob("*.json"))
+    backend = fib_backend(solution, definition_path(name))
+    kind = kind_named(backend.kind)
+    problem = kind.build(kind.spec_from_json(json.loads(fixture.read_text())["spec"]), "cpu")
+    for got, want in zip(loaded, backend.definition_inputs(problem).values()):  # the round trip keeps every bit
+        assert same_bits(got, want) if isinstance(want, torch.Tensor) else got == want
+    return fixture, jsonl
 
 
 def test_a_failure_becomes_a_workload_flashinfer_bench_loads_and_judges(capsys, tmp_path: Path,
                                                                          solutions: Path) -> None:
     name = DENSE_NAMES[64]
-    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"halves_swapped_{name}.json",
-                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
-    assert code == 1, out + err
-    assert "flashinfer-bench's evaluator on it: would flag it: INCORRECT_NUMERICAL" in out
-    jsonl = tmp_path / "fx" / "flashinfer-bench" / "workloads" / "mla_paged" / f"{name}.jsonl"
-    uuid = json.loads(jsonl.read_text().splitlines()[0])["workload"]["uuid"]
-    _, loaded = load_workload_inputs(tmp_path / "fx" / "flashinfer-bench", name, uuid)
-    fixture = next((tmp_path / "fx").glob("*.json"))
-    case = json.loads(fixture.read_text())
-    problem = build_problem(ProblemSpec.from_json(case["spec"]))
-    read = definition(name)
-    for got, want in zip(loaded, dense_inputs(read, problem).values()):  # the round trip keeps every bit
-        if isinstance(want, torch.Tensor):
-            assert same_bits(got, want)
-        else:
-            assert got == want
+    solution = solutions / f"halves_swapped_{name}.json"
+    fixture, jsonl = check_a_failure_and_its_workload(capsys, tmp_path / "fx", solution, name)
     # the same case again is not exported twice
     run_main(capsys, "replay", fixture)
-    again, out2, _ = run_main(capsys, "check", "--fib-solution", solutions / f"halves_swapped_{name}.json",
-                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
+    again, out2, _ = run_main(capsys, "check", "--fib-solution", solution, "--fib-dataset", DATASET,
+                              "--fixtures-dir", tmp_path / "fx")
     assert again == 1 and "already there" in out2 and len(jsonl.read_text().splitlines()) == 1
 
 
@@ -341,37 +354,11 @@ def test_a_dsa_solution_gives_an_empty_rows_lse_as_minus_inf_and_is_judged_as_pl
     assert run_case(backend, spec, layout, "cpu", problem=problem).verdict == "pass"
 
 
-def _expressible_sparse() -> list[tuple[int, str]]:
-    return [(ps, m) for ps in (1, 64) for m in sorted(SPARSE_MUTANTS)
-            if not_expressible(m, definition(DSA[ps])) is None]
-
-
-@pytest.mark.parametrize("ps, mutant", _expressible_sparse())
-def test_every_sparse_mutant_a_dsa_definition_can_express_is_caught_with_a_minimal_case(solutions: Path, ps: int,
-                                                                                        mutant: str) -> None:
-    name = DSA[ps]
-    result = verify(fib_backend(solutions / f"{mutant}_{name}.json", definition_path(name)), "cpu", "premerge")
-    assert result.verdict == "fail", f"{mutant} survived {len(result.cases)} cases on {name}"
-    spec = result.failure.spec
-    # every fault shows on one query token of one request, over a pool of at most two pages
-    assert (spec.batch, spec.q_len, spec.num_heads) == (1, 1, 16) and spec.used_pages <= 2, spec.describe()
-    assert result.failure.failures and failure_lines(result.failure, None)[0].startswith(f"FAIL fib:{mutant}_")
-
-
 def test_a_dsa_failure_becomes_a_workload_flashinfer_bench_loads_and_replays(capsys, tmp_path: Path,
                                                                              solutions: Path) -> None:
     name = DSA[64]
-    code, out, err = run_main(capsys, "check", "--fib-solution", solutions / f"v_rope_dims_{name}.json",
-                              "--fib-dataset", DATASET, "--fixtures-dir", tmp_path / "fx")
-    assert code == 1, out + err
-    assert "flashinfer-bench's evaluator on it: would flag it: INCORRECT_NUMERICAL" in out
-    jsonl = tmp_path / "fx" / "flashinfer-bench" / "workloads" / "dsa_paged" / f"{name}.jsonl"
-    uuid = json.loads(jsonl.read_text().splitlines()[0])["workload"]["uuid"]
-    _, loaded = load_workload_inputs(tmp_path / "fx" / "flashinfer-bench", name, uuid)
-    fixture = next((tmp_path / "fx").glob("*.json"))
-    problem = build_sparse_problem(SparseSpec.from_json(json.loads(fixture.read_text())["spec"]))
-    for got, want in zip(loaded, sparse_inputs(definition(name), problem).values()):  # every bit kept
-        assert same_bits(got, want) if isinstance(want, torch.Tensor) else got == want
+    fixture, _ = check_a_failure_and_its_workload(capsys, tmp_path / "fx", solutions / f"v_rope_dims_{name}.json",
+                                                  name)
     code, out, _ = run_main(capsys, "replay", fixture)
     assert code == 1 and f"fib:v_rope_dims_{name}" in out and "verdict: FAIL" in out
 
