@@ -118,8 +118,9 @@ def write_solution(path: Path, name: str, target: str, definition: FibDefinition
 
 
 def not_expressible(mutant: str, definition: FibDefinition) -> str | None:
-    """Why the mutant, wrapped, equals the correct kernel on every problem of ``definition``; None when some
-    problem of it tells them apart."""
+    """Why the mutant, wrapped, is a correct solution of ``definition`` -- it equals the correct kernel on every
+    problem of it, or differs only in the order of a sum, which a solution (claiming no bits: fib/definition.py)
+    may choose; None when some problem of it tells them apart."""
     if definition.kind == SPARSE:
         return _not_expressible_sparse(mutant, definition)
     reasons = {
@@ -131,7 +132,10 @@ def not_expressible(mutant: str, definition: FibDefinition) -> str | None:
     if definition.page_size == 1:
         whole = "pages of one token: a sequence's last page is never partial"
         reasons.update(partial_page_dropped=whole, reads_to_page_end=whole, nan_leak_unmasked_tail=whole,
-                       cache_written=whole + " (it writes the unused tail of one)")
+                       cache_written=whole + " (it writes the unused tail of one)",
+                       pages_sorted="pages of one token, one query token: its pages in physical order are the "
+                                    "same keys, summed in another order (right within tolerance; a solution "
+                                    "claims no bits)")
     if definition.page_size == 64:
         reasons["page_size_assumed_64"] = "the definition's page size is 64"
     return reasons.get(mutant)
