@@ -1,5 +1,5 @@
-"""The suite's own kernels as flashinfer-bench python solutions: the CPU peer and the 23 dense mutants of an
-``mla_paged`` decode definition, the sparse stand-in and the 9 sparse mutants of a ``dsa_paged`` one -- how the
+"""The suite's own kernels as flashinfer-bench python solutions: the CPU peer and the dense mutants of an
+``mla_paged`` decode definition, the sparse stand-in and the sparse mutants of a ``dsa_paged`` one -- how the
 flashinfer-bench path is proved, and how its evaluator and mla-verify are compared on the same faults
 (benchmarks/fib_side_by_side.py, docs/flashinfer-bench.md).
 
@@ -128,6 +128,7 @@ def not_expressible(mutant: str, definition: FibDefinition) -> str | None:
         "bmm2_twice": "the definition has no output scale (bmm2 is always 1)",
         "cache_4d_as_3d": "the definition's caches are 3-D [pages, page_size, dim]",
         "causal_ignored": "decode: one query token per request, which sees the whole sequence",
+        "empty_split_unguarded": "decode: one query token per request sees a key in every split of its sequence",
     }
     if definition.page_size == 1:
         whole = "pages of one token: a sequence's last page is never partial"

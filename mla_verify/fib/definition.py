@@ -18,12 +18,14 @@ definition's problems. The layouts below give a canonical problem as the definit
 Conventions that differ from the canonical problem's, and how they are handled:
 - a request's output is not scaled (the definition has no bmm2): the harness applies a drawn bmm2 to the
   output itself, in float64 (``PreparedCall.output_scale``), as for FlashInfer's wrapper;
-- the sparse LSE of a row with no valid entry is -inf in the definition's reference and +inf in the
-  canonical sparse problem's (FlashMLA's): ``canonical_sparse_lse`` maps the one to the other, and
-  flashinfer-bench's own evaluator fails any non-finite LSE, the reference's too (docs/flashinfer-bench.md).
+- the sparse LSE of a row with no valid entry is -inf in the definition's reference, +inf in FlashMLA's
+  convention (the canonical sparse problem's): the envelope says which (``SparseEnvelope.empty_lse``), and such
+  a row is judged by it; flashinfer-bench's own evaluator fails any non-finite LSE, the reference's too
+  (docs/flashinfer-bench.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +99,7 @@ class FibDefinition:
                               max_topk=self.topk, heads=(self.heads,), max_heads=self.heads, q_len=(1, 2),
                               page_sizes=(self.page_size,), topk_length_formats=(), sinks=False,
                               pass_out=(pass_out,), lse_base=LSE_BASE_2, bit_invariant=NO_BIT_CLAIMS,
+                              empty_lse=-math.inf,  # its reference's: the log of an empty sum
                               notes=f"flashinfer-bench definition {self.name}")
 
 
@@ -179,8 +182,3 @@ def output_buffers(definition: FibDefinition, rows: int, device: torch.device) -
               "lse": ((rows, definition.heads), torch.float32)}
     return {name: torch.empty(shapes[name][0], dtype=shapes[name][1], device=device) for name in definition.outputs}
 
-
-def canonical_sparse_lse(lse: torch.Tensor) -> torch.Tensor:
-    """A definition's sparse LSE (base 2, -inf for a row with no valid entry) in the canonical sparse convention
-    (+inf there, as FlashMLA's; problems/sparse.py). Only -inf moves: a NaN or +inf the kernel made stays."""
-    return torch.where(lse == float("-inf"), float("inf"), lse)

@@ -33,7 +33,6 @@ from ..problems.problem import DecodeProblem
 from ..problems.sparse import SparseDecodeProblem
 from .definition import (
     FibDefinition,
-    canonical_sparse_lse,
     dense_inputs,
     output_buffers,
     read_definition,
@@ -217,8 +216,6 @@ class FibSolutionBackend(Backend):
                 if not isinstance(got[what], torch.Tensor):
                     raise TypeError(f"{what} is a {type(got[what]).__name__}, not a tensor")
             out, lse = got["output"].unflatten(0, (B, Q)), got["lse"].unflatten(0, (B, Q))
-            if isinstance(problem, SparseDecodeProblem):
-                return out, canonical_sparse_lse(lse)
             return out, (lse if layout.return_lse else None)
 
         inputs = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
