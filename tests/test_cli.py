@@ -303,3 +303,12 @@ def test_check_on_cpu_backs_large_tensors_with_huge_pages(env_value, huge):
     code, offset = done.stdout.split()[-2:]
     assert code == "0", done.stderr
     assert (offset == "0") == huge, done.stdout
+
+
+def test_fib_solution_without_flashinfer_bench_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    """Here, not in test_fib.py (which skips without flashinfer-bench): the line a machine without it gets."""
+    monkeypatch.setitem(sys.modules, "flashinfer_bench", None)  # import flashinfer_bench now raises ImportError
+    code, out, err = run_main(capsys, "check", "--fib-solution", tmp_path / "solution.json", "--fixtures-dir", tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "pip install 'mla-verify[fib]'" in err
+

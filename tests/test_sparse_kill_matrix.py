@@ -4,19 +4,30 @@ premerge with its minimal case at one request, and the diagnosis names its misre
 tell it from others, never a wrong name; each fails its trigger and is named there too; the correct kernel of
 the same convention passes premerge, or the kills would mean nothing."""
 import re
+from dataclasses import replace
 
 import pytest
+import torch
+from hypothesis import given, settings
 
-from mla_verify.backends.user_kernel import kernel_backend, load_kernel
+from mla_verify.backends.user_kernel import (
+    USER_FLASHMLA_SPARSE_ENVELOPE,
+    envelope_from_overrides,
+    kernel_backend,
+    load_kernel,
+)
 from mla_verify.draw.sparse_strategies import sparse_corner_cases
+from mla_verify.draw.strategies import budget_for
 from mla_verify.judge.diagnose import CANDIDATES
 from mla_verify.judge.sparse_catalog import CATALOG, SINK_IN_LSE
 from mla_verify.kernels.flashmla_cpu import sparse_stand_in_backend
 from mla_verify.kernels.mutants import SPARSE_MUTANTS, FaultySparseKernel, SparseFaults
+from mla_verify.kinds import KINDS
 from mla_verify.problems.sparse import SPARSE_LAYOUT
 from mla_verify.run.engine import verify
 from mla_verify.run.harness import run_case
 
+SPARSE_KIND = KINDS["sparse"]
 # premerge's corner cases catch every mutant; 12 drawn cases on top keep the CPU time small
 DRAWN = 12
 
@@ -100,3 +111,31 @@ def test_the_sparse_metamorphic_relations_are_judged_as_each_allows():
     moved = run_case(backend, spec, SPARSE_LAYOUT, "cpu", "minus1_moved")
     assert moved.verdict == "fail" and moved.reason.startswith(
         "with each row's -1 entries moved to its front: max |out - ref|"), moved.failures
+
+
+def test_the_trtllm_sparse_face_is_the_same_correct_kernel_over_a_bf16_cache():
+    """``FaultySparseKernel.trtllm_sparse`` (how fib/contract1.py hands the sparse kernels a bf16 pool): the correct
+    kernel's face passes premerge on bf16 problems, called by Contract 1's trtllm-sparse convention."""
+    backend = kernel_backend(FaultySparseKernel().trtllm_sparse, "face", "trtllm-sparse")
+    backend.envelope = replace(backend.envelope, devices=("cpu",), formats=("bf16",))
+    result = verify(backend, "cpu", "premerge", max_examples=DRAWN)
+    assert result.verdict == "pass" and not any(c.verdict == "skip" for c in result.cases), result.failure
+
+
+def test_a_sparse_envelope_of_named_head_counts_is_drawn_cornered_and_shrunk_inside_them():
+    """SparseEnvelope.heads, as Envelope's: the drawn cases, the corner cases and the shrink steps take only the
+    head counts it names; a kernel of one's own declares them as any other field."""
+    env = replace(USER_FLASHMLA_SPARSE_ENVELOPE, heads=(24, 64), max_heads=64)
+    assert envelope_from_overrides({"heads": [24, 64], "max_heads": 64}, USER_FLASHMLA_SPARSE_ENVELOPE) == env
+    assert env.why_not(replace(SPARSE_MUTANTS["v_rope_dims"].trigger, num_heads=32)).endswith(
+        "32 heads (supported: [24, 64])")
+    corners = SPARSE_KIND.corner_cases(env, budget_for(torch.device("cpu")))
+    assert corners and {c.spec.num_heads for c in corners} == {24, 64}
+
+    @settings(max_examples=40, database=None, derandomize=True)
+    @given(SPARSE_KIND.cases(env, budget_for(torch.device("cpu"))))
+    def drawn(case):
+        assert case.spec.num_heads in (24, 64) and env.why_not(case.spec, case.layout) is None
+        assert all(c.spec.num_heads in (24, 64) for _, c in SPARSE_KIND.smaller(case, env))
+
+    drawn()

@@ -132,8 +132,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # a SparseEnvelope's fields, as _FIELDS an Envelope's
 _SPARSE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{k: _FIELDS[k] for k in ("devices", "archs", "page_sizes", "max_heads", "q_len", "pass_out", "lse_base",
-                               "notes")},
+    **{k: _FIELDS[k] for k in ("devices", "archs", "page_sizes", "heads", "max_heads", "q_len", "pass_out",
+                               "lse_base", "notes")},
     "formats": (_among(SPARSE_FORMATS), f"a non-empty list of {list(SPARSE_FORMATS)}"),
     "scales": (_among(SCALE_CONVENTIONS), f"a non-empty list of {list(SCALE_CONVENTIONS)}"),
     "topk_multiple": (lambda v: _int(v) and v >= 1, "an int >= 1"),

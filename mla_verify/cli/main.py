@@ -52,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "path/to/file.py:ATTR (repeatable)")
     which.add_argument("--backend", action="append", metavar="NAME",
                        help="a registered backend to verify, dense or sparse (repeatable; list-backends names them)")
+    which.add_argument("--fib-solution", metavar="SOLUTION.json",
+                       help="a flashinfer-bench solution of an mla_paged decode or dsa_paged sparse attention "
+                            "definition, built by flashinfer-bench's builder (needs the fib extra; "
+                            "docs/flashinfer-bench.md)")
+    where = check.add_mutually_exclusive_group()
+    where.add_argument("--fib-definition", metavar="DEFINITION.json",
+                       help="the --fib-solution's definition (default: found by its name in the dataset the "
+                            "solution's file lies in)")
+    where.add_argument("--fib-dataset", metavar="DIR",
+                       help="a flashinfer-bench dataset whose definitions/ holds the --fib-solution's definition")
     _convention_argument(check)
     _device_argument(check, "cpu")
     check.add_argument("--profile", choices=tuple(PROFILES), default="premerge",
@@ -164,6 +174,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..run.supervise import IN_PROCESS, ISOLATED, how_to_run, search
     from ..run.warmup import start_warm_up
     from ..run.workers import cpu_run_settings
+    from .fib import check_fib_arguments, fib_solution_backend, hand_back
 
     # Everything that can be wrong with the command is found here, before the first case.
     device: torch.device = ns.device
@@ -182,7 +193,12 @@ def cmd_check(ns: argparse.Namespace) -> int:
     watchdog.grace_seconds()  # a malformed grace is a usage error now, not a surprise when a kernel hangs
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
-    backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
+    check_fib_arguments(ns)
+    backends: list[tuple[Any, str | None]]
+    if ns.fib_solution is not None:
+        backends = [(fib_solution_backend(ns, device), None)]
+    else:
+        backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
     how = how_to_run(ns.isolate, device)
     in_flight = in_flight_path(ns.fixtures_dir)
 
@@ -253,10 +269,11 @@ def cmd_check(ns: argparse.Namespace) -> int:
                                     device)
             if saved is not None:
                 fixtures[r.backend] = str(saved)
+    by_name = {b.name: b for b, _ in backends}
     for r in results:
         if r.failure is not None:
-            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir,
-                                                r.given_origin)))
+            print("\n" + "\n".join(failure_lines(r.failure, fixtures.get(r.backend), ns.fixtures_dir, r.given_origin)
+                                    + hand_back(by_name.get(r.backend), r.failure, ns.fixtures_dir, device)))
     interrupted = any(r.interrupted for r in results)
     if report_path is not None:
         run = {"command": ns.command_line,
@@ -361,9 +378,10 @@ def _platform_line() -> str:
 
 # ---------------------------------------------------------------- replay
 def cmd_replay(ns: argparse.Namespace) -> int:
-    from ..backends import Backend, named_backend
+    from ..backends import Backend
     from ..backends.user_kernel import load_kernel
     from ..core.errors import FixtureError
+    from ..fib.solution import loaded_backend
     from ..records.cases import fixture_spec
     from ..records.failure import crash_line
     from ..records.fixtures import load_fixture
@@ -383,7 +401,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
         backend = load_kernel(ns.kernel, convention=ns.convention)
     elif name:
         # a --kernel run records MODULE:ATTR, and where it was loaded from
-        backend = named_backend(name, fx.meta.get("kernel_source"))
+        backend = loaded_backend(name, fx.meta.get("kernel_source"))
     else:
         raise FixtureError(f"{fx.json_path}: records no backend; name one with --backend or --kernel")
     device = ns.device or _replay_device(fx.meta.get("source_device"))
@@ -563,8 +581,9 @@ def sparse_envelope_summary(env: Any) -> str:
     """One line: what a sparse backend claims to handle."""
     archs = "any" if env.archs is None else "/".join(f"SM{a}{b}" for a, b in env.archs)
     pages = "any" if env.page_sizes is None else ",".join(map(str, sorted(env.page_sizes)))
+    heads = f"up to {env.max_heads}" if env.heads is None else "/".join(map(str, env.heads))
     return (f"devices {'/'.join(env.devices)} (arch {archs}); formats {'/'.join(env.formats)}; "
             f"scales {'/'.join(env.scales)}; topk a multiple of {env.topk_multiple} up to {env.max_topk}; "
-            f"heads up to {env.max_heads}; q_len {env.q_len[0]}-{env.q_len[1]}; page {pages}; "
+            f"heads {heads}; q_len {env.q_len[0]}-{env.q_len[1]}; page {pages}; "
             f"sinks {'yes' if env.sinks else 'no'}; LSE base {'2' if env.lse_base == 2 else 'e'}")
 

@@ -346,17 +346,43 @@ class FaultySparseKernel:
                f"{width}-byte rows as {fmt_name}: not a format SM90 runs")
         _refuse(topk_length is None or fmt_name != "V32", "V3.2 does not support dynamic topk length")
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        return self._compute(q, k_cache, FORMATS[fmt_name], indices, topk_length, attn_sink, scale)
-
-    def _compute(self, q: torch.Tensor, k_cache: torch.Tensor, fmt: Any, indices: torch.Tensor,
-                 topk_length: torch.Tensor | None, sink: torch.Tensor | None,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        f = self.faults
+        fmt = FORMATS[fmt_name]
         P, page = k_cache.shape[:2]
         pool = k_cache.view(torch.uint8).as_strided((P, k_cache.stride(0)), (k_cache.stride(0), 1))
-        rows = dequantize(pool, fmt, page, "sm90", f.scales)
+        out, lse = self._attend(q, dequantize(pool, fmt, page, "sm90", self.faults.scales), fmt.nope, indices,
+                                topk_length, attn_sink, scale)
+        return out.to(torch.bfloat16), lse.transpose(1, 2)
+
+    def trtllm_sparse(self, query: torch.Tensor, kv_cache: torch.Tensor, workspace_buffer: torch.Tensor,
+                      qk_nope_head_dim: int, kv_lora_rank: int, qk_rope_head_dim: int, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor | None, max_seq_len: int, out: torch.Tensor | None = None,
+                      bmm1_scale: float = 1.0, bmm2_scale: float = 1.0, return_lse: bool = False,
+                      sparse_mla_top_k: int = 0) -> Any:
+        """The same arithmetic, and fault, in Contract 1's ``trtllm-sparse`` convention (FlashInfer's trtllm-gen
+        sparse MLA) over a bf16 cache ``[P, 1, page, 576]``: block tables ``[B, q_len, topk]`` of token slots,
+        -1 masked; the LSE in base 2, ``[B * q_len, H]``. FlashMLA's sparse decode reads packed FP8 only; this is
+        how the kernel is handed a bf16 pool (fib/contract1.py wraps it as a flashinfer-bench DSA solution)."""
+        _refuse(query.dtype == torch.bfloat16 and query.dim() == 4, "query must be bf16 [B, q_len, H, d]")
+        _refuse(kv_cache.dtype == torch.bfloat16 and kv_cache.dim() == 4 and kv_cache.shape[1] == 1,
+                "kv_cache must be bf16 [pages, 1, page, d]: this convention's packed cache is not read here")
+        _refuse(block_tables.dtype == torch.int32 and block_tables.shape[-1] == sparse_mla_top_k,
+                "block_tables must be int32 [B, q_len, sparse_mla_top_k]")
+        B, Q, H, _ = query.shape
+        o, lse = self._attend(query, kv_cache[:, 0], kv_lora_rank, block_tables, None, None, bmm1_scale)
+        o = (o * bmm2_scale).to(torch.bfloat16)
+        if out is not None:
+            o = out.copy_(o)
+        return (o, (lse / math.log(2)).reshape(B * Q, H)) if return_lse else o
+
+    def _attend(self, q: torch.Tensor, rows: torch.Tensor, nope: int, indices: torch.Tensor,
+                topk_length: torch.Tensor | None, sink: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out fp32 [B, Q, H, 512], lse [B, Q, H] in natural log) of ``q`` over the pool's values ``rows``
+        ``[P, page, d]`` (their first ``nope`` dims the latent ones), with the faults of ``self.faults``."""
+        f = self.faults
+        P, page = rows.shape[:2]
         if f.rope_fp8:
-            rows[..., fmt.nope:] = rows[..., fmt.nope:].to(FP8).to(torch.bfloat16)
+            rows = torch.cat([rows[..., :nope], rows[..., nope:].to(FP8).to(torch.bfloat16)], dim=-1)
         # past its pool a kernel reads memory it was not given: here NaN, the suite's poison for what a kernel must
         # not read (a GPU kernel reads garbage there, or faults)
         flat = torch.cat([rows.reshape(P * page, -1).float(), torch.full_like(rows[0, :1].float(), float("nan"))])
@@ -378,7 +404,7 @@ class FaultySparseKernel:
         if f.empty_rows_zero:  # after the sink: an empty row's -inf lse against a -inf sink would give NaN
             out = out.masked_fill((total == 0)[..., None], 0.0)
             lse = lse.masked_fill(total == 0, float("inf"))
-        return out.to(torch.bfloat16), lse.transpose(1, 2)
+        return out, lse
 
 
 def _blockwise_softmax(scores: torch.Tensor, values: torch.Tensor,

@@ -97,7 +97,7 @@ class SparseKind(ProblemKind):
             half = s.batch // 2
             yield f"batch first {half}", replace(case, spec=_requests(s, range(half)))
             yield f"batch last {s.batch - half}", replace(case, spec=_requests(s, range(half, s.batch)))
-        for heads in sorted({h for h in (1, s.num_heads // 2) if 1 <= h < s.num_heads}):
+        for heads in sorted({h for h in (1, s.num_heads // 2) if 1 <= h < s.num_heads and env.allows_heads(h)}):
             yield f"heads {heads}", replace(case, spec=replace(s, num_heads=heads))
         if env.q_len[0] < s.q_len:
             yield f"q_len {env.q_len[0]}", replace(case, spec=replace(s, q_len=env.q_len[0]))

@@ -23,8 +23,18 @@ DENSE, SPARSE = "dense", "sparse"  # the problem kinds (mla_verify/kinds), as en
 ENVELOPE_PREFIX = "outside its envelope"  # how Envelope.why_not starts its sentence
 
 
+class _HeadCounts:
+    """What both kinds of envelope say of head counts: ``heads`` the ones taken (None: any of 1..``max_heads``)."""
+
+    heads: tuple[int, ...] | None
+    max_heads: int
+
+    def allows_heads(self, h: int) -> bool:
+        return (h in self.heads) if self.heads is not None else 1 <= h <= self.max_heads
+
+
 @dataclass(frozen=True)
-class Envelope:
+class Envelope(_HeadCounts):
     """The problems a backend claims to handle. ``None`` in a field means "any"."""
 
     kind: ClassVar[str] = DENSE
@@ -73,9 +83,6 @@ class Envelope:
         limited = dict(self.dims_by_dtype).get(dtype)
         return self.dims if limited is None else tuple(d for d in self.dims if d in limited)
 
-    def allows_heads(self, h: int) -> bool:
-        return (h in self.heads) if self.heads is not None else 1 <= h <= self.max_heads
-
     def why_not(self, spec: ProblemSpec, layout: LayoutSpec) -> str | None:
         """A sentence saying why (spec, layout) is outside this envelope, or None."""
         checks = [
@@ -114,7 +121,7 @@ class Envelope:
 
 
 @dataclass(frozen=True)
-class SparseEnvelope:
+class SparseEnvelope(_HeadCounts):
     """The sparse (top-k) decode problems a backend claims to handle (problems/sparse.py). ``None``: any."""
 
     kind: ClassVar[str] = SPARSE
@@ -124,6 +131,7 @@ class SparseEnvelope:
     scales: tuple[str, ...] = ("pow2", "amax")
     topk_multiple: int = 64  # topk must be a multiple of this
     max_topk: int = 2048
+    heads: tuple[int, ...] | None = None  # the head counts taken (None: 1..max_heads), as Envelope's
     max_heads: int = 128
     q_len: tuple[int, int] = (1, 2)
     page_sizes: tuple[int, ...] | None = None
@@ -145,7 +153,8 @@ class SparseEnvelope:
             (spec.fmt == "bf16" or spec.scales in self.scales, f"{spec.scales} scales"),
             (spec.topk % self.topk_multiple == 0 and spec.topk <= self.max_topk,
              f"topk {spec.topk} (a multiple of {self.topk_multiple} up to {self.max_topk})"),
-            (spec.num_heads <= self.max_heads, f"{spec.num_heads} heads (max {self.max_heads})"),
+            (self.allows_heads(spec.num_heads), f"{spec.num_heads} heads ("
+             + (f"max {self.max_heads})" if self.heads is None else f"supported: {list(self.heads)})")),
             (self.q_len[0] <= spec.q_len <= self.q_len[1], f"q_len {spec.q_len}"),
             (self.page_sizes is None or spec.page_size in self.page_sizes, f"page size {spec.page_size}"),
             (spec.topk_lengths is None or spec.fmt in self.topk_length_formats, f"topk_length with {spec.fmt}"),

@@ -3,5 +3,5 @@ the search that draws, judges and shrinks (engine, simplify), cases judged in wo
 search in a copy of the process, taken over when it dies (supervise), time and memory bounds (watchdog), xdist
 workers' devices, progress lines and stage times.
 
-May import: core, problems, backends, judge, draw, kinds. (tests/test_imports.py holds this rule.)
+May import: core, problems, backends, judge, draw, kinds, fib. (tests/test_imports.py holds this rule.)
 """

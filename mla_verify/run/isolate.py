@@ -3,11 +3,12 @@ abort), a CUDA error that leaves the device context unusable, a native hang ende
 case, which fails as a crash, while the search in the parent goes on and shrinks it like any failure.
 
 The model is AFL's fork server: a forkserver process imports torch and this package once, and each worker
-forks from it in milliseconds, loads the backend (``named_backend``: by name, or a ``--kernel`` from where it
-was loaded), warms up (warmup.py: it loads the backend's compiled modules, which the parent builds meanwhile,
-so their load is no case's time) and judges cases until it dies; a dead worker is replaced, and warms up
-again, before the next case. A worker can be launched early (``launch``: check starts every backend's at
-once, so that they warm up side by side) and is waited for at its first case (``start``).
+forks from it in milliseconds, loads the backend (``loaded_backend``: by name, a ``--kernel`` from where it
+was loaded, or a flashinfer-bench solution from its files), warms up (warmup.py: it loads the backend's
+compiled modules, which the parent builds meanwhile, so their load is no case's time) and judges cases until
+it dies; a dead worker is replaced, and warms up again, before the next case. A worker can be launched early
+(``launch``: check starts every backend's at once, so that they warm up side by side) and is waited for at
+its first case (``start``).
 Each worker makes its own CUDA context, never an inherited one: forking a process that holds one is not safe,
 and torch refuses CUDA in the child. The fork server is a fresh interpreter whatever the parent did to CUDA,
 but what runs as Python starts (a sitecustomize, a .pth file) runs there too; a worker forked from a fork
@@ -46,9 +47,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..backends import Backend, named_backend
+from ..backends import Backend
 from ..core.errors import FixtureError, MLAVerifyError, ProblemError, UsageError
 from ..core.tracebacks import exception_line
+from ..fib.solution import loaded_backend
 from ..judge.compare import ErrorStats
 from ..kinds import kind_named
 from ..problems.layouts import LayoutSpec
@@ -118,7 +120,7 @@ class Isolated:
         self.backend, self.device, self.kernel_seconds, self.keep_output = backend, device, kernel_seconds, keep_output
         self.problem = problem
         load: Callable[[], Backend] = functools.partial(_as_it_is, backend) if fork \
-            else functools.partial(named_backend, backend.name, backend.source)
+            else functools.partial(loaded_backend, backend.name, backend.source)
         self._worker = _Worker(backend.name, load, device, kernel_seconds, warm, fork, problem)
 
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
