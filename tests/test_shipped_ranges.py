@@ -57,6 +57,38 @@ def test_extreme_rows_are_far_from_any_sentinel_and_judged_as_tightly_as_normal_
     assert run_case(CORRECT, spec, LayoutSpec(), "cpu", "pages").verdict == "pass"
 
 
+def test_fp8_problems_are_not_drawn_at_the_extremes() -> None:
+    """generate.py's FP8_VALUE_KINDS: at |q.k| >= 1.5e5 an fp8 kernel's error is not bounded by a multiple of its
+    emulated baseline's (measured on an H100), so neither the corner cases nor the drawn ones go there in fp8; bf16
+    ones still do."""
+    from hypothesis import HealthCheck, given, settings
+
+    budget = budget_for(torch.device("cpu"))
+    fp8, bf16 = TRTLLM_ENVELOPE.narrowed(dtypes=("fp8",)), TRTLLM_ENVELOPE.narrowed(dtypes=("bf16",))
+    assert not [c for c in corner_cases(fp8, budget) if c.spec.values in EXTREME_VALUES]
+    assert {c.spec.values for c in corner_cases(bf16, budget)} >= set(EXTREME_VALUES)
+    seen: set[str] = set()
+
+    @settings(max_examples=150, database=None, derandomize=True, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(DENSE_KIND.cases(fp8, budget, True))
+    def draw(case) -> None:  # type: ignore[no-untyped-def]
+        seen.add(case.spec.values)
+
+    draw()
+    assert seen and not seen & set(EXTREME_VALUES), seen
+
+
+def test_a_baseline_that_is_not_finite_fails_the_case_rather_than_every_bound_passing() -> None:
+    """NaN fails no comparison: were the baseline NaN, every bound would be NaN and any output would pass."""
+    problem = build_problem(ProblemSpec((9,), num_heads=2, page_size=32, seed=1))
+    ref = reference_decode(problem)
+    base = baseline_result(problem, "bf16")
+    base.out[0, 0, 0, 0] = float("nan")
+    _, failures = compare(ref.out.to(torch.bfloat16), None, ref, base, "bf16", None)
+    assert any("is not finite on this problem" in f for f in failures), failures
+
+
 def test_a_drawn_case_finds_the_finite_sentinel() -> None:
     """No corner case (the dev profile): one drawn case in seven has extreme values, and it is shrunk and named."""
     m = MUTANTS["finite_sentinel"]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from ..core.dims import R1_SOFTMAX_SCALE
 from ..core.memory import memory_budget, spare_bytes
 from ..problems.envelope import SPLIT_SIZES, Envelope
-from ..problems.generate import PAD_FILLS, VALUE_KINDS, ProblemSpec
+from ..problems.generate import FP8_VALUE_KINDS, PAD_FILLS, VALUE_KINDS, ProblemSpec
 from ..problems.layouts import LayoutSpec
 from ..problems.metamorphic import LARGE_POOL, TRANSFORMS
 from .edges import declared_edges, split_edges
@@ -263,7 +263,8 @@ def _spec(draw: st.DrawFn, env: Envelope, budget: Budget, probes: bool = False) 
         qk_rope_head_dim=rope, dtype=dtype, softmax_scale=softmax, q_scale=q_scale, k_scale=k_scale,
         bmm2_extra=_named_or(draw, NAMED_SCALES, _BMM2), extra_pages=extra_pages,
         shuffle_pages=not draw(_BOOL), table_pad=draw(_ints(0, 4)), pad_fill=_pick(draw, PAD_FILLS),
-        values="constant" if probe in ("constant", "both") else _pick(draw, VALUE_KINDS), seed=draw(_SEED),
+        values="constant" if probe in ("constant", "both") else
+        _pick(draw, FP8_VALUE_KINDS if dtype == "fp8" else VALUE_KINDS), seed=draw(_SEED),
         window_left=window, q_lens=q_lens)
 
 
@@ -432,7 +433,8 @@ def _shipped_bug_corners(env: Envelope, budget: Budget, heads: tuple[int, ...], 
                               seed=30 + i,
                               **r1), layout, relation)
              for i, (values, relation) in enumerate((("far_below", "none"), ("far_above", "pages"),
-                                                     ("near_ties", "batch")))]
+                                                     ("near_ties", "batch")))
+             if r1["dtype"] != "fp8"]  # generate.py's FP8_VALUE_KINDS says why
     # S + 1 .. S + q - 1 for q tokens (at most 4: rows 0..q-2 see none of the last split; q 1: S + 1, a one-token
     # split), as many as the budget takes
     lens, h = _fitting([n for size in SPLIT_SIZES for n in split_edges((size,), q, (1,))

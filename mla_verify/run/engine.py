@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -353,7 +354,8 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
             clock.drawn()
             return
         r = record(case, draw_seconds=clock.drawn())
-        if prof.targeted and r.stats is not None:
+        if prof.targeted and r.stats is not None and math.isfinite(r.stats.error_ratio):
+            # Hypothesis takes finite observations only; a non-finite ratio is judged by compare() (a failure)
             target(min(r.stats.error_ratio, 1e6), label="error ratio (error / allowed)")
         if r.verdict == "fail":
             failures.append(r)

@@ -20,7 +20,9 @@ from mla_verify.problems.problem import DecodeProblem
 
 pytestmark = pytest.mark.gpu
 
-SPECS = [ProblemSpec(seq_lens=(1, 63, 64, 65, 513, 2049), q_len=q_len, num_heads=heads, dtype="fp8", q_scale=0.5,
+# every length at least q_len (a request's KV length includes its query tokens)
+SPECS = [ProblemSpec(seq_lens=tuple(max(q_len, n) for n in (1, 63, 64, 65, 513, 2049)), q_len=q_len, num_heads=heads,
+                     dtype="fp8", q_scale=0.5,
                      k_scale=1.7, values=values, seed=heads + q_len)
          for q_len, heads, values in ((1, 16, "constant"), (4, 32, "normal"), (1, 128, "outliers"))]
 
