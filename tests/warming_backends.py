@@ -44,9 +44,13 @@ def _write(step: str, detail: Any = None) -> None:
 
 
 def _steps() -> list[str]:
-    """The steps written so far (a line another process is still writing may be cut short: it is left out)."""
-    with open(os.environ[JOURNAL_ENV]) as journal:
-        lines = journal.read().split("\n")[:-1]
+    """The steps written so far (a line another process is still writing may be cut short: it is left out; no
+    journal yet, as before any process has written a step, is no steps)."""
+    try:
+        with open(os.environ[JOURNAL_ENV]) as journal:
+            lines = journal.read().split("\n")[:-1]
+    except FileNotFoundError:
+        return []
     return [json.loads(line)["step"] for line in lines]
 
 
