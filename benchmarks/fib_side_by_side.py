@@ -25,7 +25,7 @@ from it, and runs its evaluator on the others only: those verdicts depend on the
 seeded inputs alone, not on mla-verify's judgement, which is run again on every kernel (the evaluator is most of
 the run's time). The record and the tables say which verdicts were taken, and from which commit.
 
-    python benchmarks/fib_side_by_side.py --out /work/results-inbox/p42-fib/fib_side_by_side.json \\
+    python benchmarks/fib_side_by_side.py --out mla-verify-results/cpu/fib_side_by_side.json \\
         --docs docs/flashinfer-bench.md [--definitions ps1,ps64,dsa_ps1,dsa_ps64] [--kernels a,b] [--workloads N] \\
         [--evaluator-from EARLIER.json]
     python benchmarks/fib_side_by_side.py --from-record RECORD.json --docs docs/flashinfer-bench.md  # render only

@@ -20,7 +20,9 @@ the ratio of the two is what a tolerance factor over it must cover. Hypotheses:
 One-key sets (seq_len 1, unit scales) also compare the LSE -- there the raw q.k itself -- bit for bit with the
 accumulation models. The split schedule port (``flashmla_fp8_splits``) is checked against the recorded one.
 
-    python3 benchmarks/flashmla_fp8_analysis.py --dir /work/results-inbox/gpu-probe --json analysis.json [--grid]
+    python3 benchmarks/flashmla_fp8_analysis.py --dir DIR --json analysis.json [--grid]
+
+DIR: the folder `benchmarks/flashmla_fp8_probe.py --out` wrote on the GPU (its ``fp8_*.safetensors``).
 """
 from __future__ import annotations
 
@@ -153,7 +155,8 @@ def analyse(path: Path, grid: bool) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=Path("/work/results-inbox/gpu-probe"))
+    parser.add_argument("--dir", type=Path, required=True,
+                        help="the folder flashmla_fp8_probe.py --out wrote (its fp8_*.safetensors)")
     parser.add_argument("--json", type=Path, help="write the records here")
     parser.add_argument("--grid", action="store_true", help="also the accumulation model's step/width grid (slow)")
     ns = parser.parse_args()

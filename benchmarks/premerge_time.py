@@ -128,12 +128,13 @@ def run_targets(names: list[str], runs: int, env: dict[str, str], baseline: Path
 def against(these: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
     """The baseline tree's runs, whether they drew this tree's cases with its verdicts, and the two trees'
     median wall and CPU seconds."""
-    walls = {"this": median(r["wall_s"] for r in these), "baseline": median(r["wall_s"] for r in baseline)}
+    walls = {"this": round(median(r["wall_s"] for r in these), 3),
+             "baseline": round(median(r["wall_s"] for r in baseline), 3)}
     return {"runs": baseline, "comparison": compare(baseline),
             "same_cases": bool(these[0]["cases"]) and all(r["cases"] == these[0]["cases"] for r in baseline),
             "median_wall_s": walls, "wall_ratio": round(walls["this"] / walls["baseline"], 3),
-            "median_cpu_s": {"this": median(r["cpu_s"] for r in these),
-                             "baseline": median(r["cpu_s"] for r in baseline)}}
+            "median_cpu_s": {"this": round(median(r["cpu_s"] for r in these), 3),
+                             "baseline": round(median(r["cpu_s"] for r in baseline), 3)}}
 
 
 def main(argv: list[str] | None = None) -> int:
