@@ -132,3 +132,16 @@ def test_the_fp8_accumulator_truncates_each_term_below_the_largest() -> None:
     # wide enough, the model is the exact sum
     wide = Accumulator(k_step=4, bits=40)
     assert accumulate(acc, a, b, wide).item() == 8.0 + 3.75
+
+
+def test_the_fp8_accumulator_stays_finite_near_fp32s_smallest_numbers() -> None:
+    """An accumulator rescaled down to a subnormal (its running max far above a later block's): its unit of
+    truncation would be 2^-155, which fp32 rounds to 0, and 0/0 made one output element NaN on an H200 (a fuzz
+    case with outlier values and a 16385-key request, results:h200/2026-12-06b/README.md, call3)."""
+    model = Accumulator(k_step=4, bits=13)
+    acc = torch.tensor([[2.0 ** -142]])  # leading bit 2^-142: units of 2^-155 unclamped
+    a, b = torch.tensor([[0.0, 0.0, 0.0, 0.0]]), torch.tensor([[1.0]] * 4)
+    got = accumulate(acc, a, b, model).item()
+    assert math.isfinite(got)
+    # kept to fp32's own floor, 2^-149: the accumulator's 2^-142 is a whole number of such units
+    assert got == 2.0 ** -142

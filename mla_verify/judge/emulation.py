@@ -28,6 +28,7 @@ P_DTYPES = {"bf16": torch.bfloat16, "e4m3": FP8}  # Arithmetic.p_dtype
 # elements of the products one accumulator step materializes at a time ([rows, k_step, cols]): 2^24 fp32 is
 # 64 MiB, so the model costs a few such passes, not a copy of the scores per product
 PRODUCTS_PER_CHUNK = 1 << 24
+FP32_TINIEST_EXP = -149  # 2^-149: fp32's smallest subnormal
 
 
 def emulated(problem: DecodeProblem, arithmetic: Arithmetic, p_dtype: torch.dtype) -> ReferenceResult:
@@ -78,7 +79,9 @@ def accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, model: Accum
                     b3[i:i + batches, None, k0:k0 + model.k_step, :].to(work)  # [b, m, k, N], exact
                 top = torch.maximum(c.abs(), torch.maximum(prods.amax(-2), prods.amin(-2).neg_()))
                 _, exponent = torch.frexp(top)  # top = f * 2^e, f in [0.5, 1): the leading bit is 2^(e - 1)
-                unit = torch.ldexp(torch.ones_like(top), exponent - 1 - model.bits)
+                # never finer than fp32's smallest subnormal, the accumulator's own floor: below it a unit would
+                # round to 0 and 0/0 make the output NaN (an accumulator rescaled to a few ulps of 2^-126)
+                unit = torch.ldexp(torch.ones_like(top), (exponent - 1 - model.bits).clamp_(min=FP32_TINIEST_EXP))
                 # every term a whole number of units (a power of two: the divisions are exact), summed, scaled back
                 whole = prods.div_(unit[..., None, :]).trunc_().sum(-2)
                 c = c.div_(unit).trunc_().add_(whole).mul_(unit)
