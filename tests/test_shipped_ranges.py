@@ -20,7 +20,7 @@ from mla_verify.draw.strategies import budget_for, corner_cases
 from mla_verify.judge.compare import baseline_result, compare
 from mla_verify.kernels.flashmla_cpu import CPU_ENVELOPE, stand_in_backend
 from mla_verify.kernels.mutants import MUTANTS, Faults, FaultyKernel, correct_kernel
-from mla_verify.kinds.dense import DENSE_KIND
+from mla_verify.kinds.dense import DENSE_KIND, large_pool_reason
 from mla_verify.problems import metamorphic
 from mla_verify.problems.arithmetic import Arithmetic
 from mla_verify.problems.generate import EXTREME_DOT, EXTREME_VALUES, ProblemSpec, build_problem
@@ -170,6 +170,16 @@ def test_a_cpu_run_skips_the_large_pool_with_its_reason() -> None:
     result = run_case(CORRECT, spec, LayoutSpec(), "cpu", LARGE_POOL)
     assert result.verdict == "skip" and result.skip_kind == SKIP_DEVICE
     assert "pages past 2^32 elements need a 8.0 GiB pool" in result.reason and "a CPU run" in result.reason
+
+
+def test_a_batch_of_empty_requests_is_sized_by_the_one_page_its_pool_has() -> None:
+    """Every request empty: the pool still has a page (build_problem), which the large pool moves past 2^32
+    elements. The memory estimate counted no page and raised inside an H200's isolated worker, ending the main
+    job (results:h200/2026-12-06b/README.md, call2)."""
+    spec = ProblemSpec((0, 0), num_heads=2, page_size=64, extra_pages=0)
+    assert spec.pool_pages == build_problem(spec).num_pages == 1
+    reason = large_pool_reason(spec, LayoutSpec(), torch.device("cpu"))
+    assert reason is not None and "need a 8.0 GiB pool" in reason and "a CPU run" in reason
 
 
 @pytest.mark.parametrize("claimed", [True, False], ids=["bits claimed", "no claim"])

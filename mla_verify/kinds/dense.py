@@ -48,8 +48,7 @@ def large_pool_reason(spec: ProblemSpec, layout: LayoutSpec, device: torch.devic
     """Why ``device`` cannot check ``spec``'s pages past 2^32 elements: the pool (4-8 GiB), its input snapshot, a
     strided layout's copy and the bit comparison's mask must fit this process's share of its free memory."""
     stride = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
-    pages = strategies.cached_tokens(spec.seq_lens, spec.page_size, spec.extra_pages) // spec.page_size
-    elements = metamorphic.large_pool_elements(pages, stride)
+    elements = metamorphic.large_pool_elements(spec.pool_pages, stride)
     pool = elements * DTYPES[spec.dtype].itemsize
     need = pool * (2 + (layout.page_stride_pad > 0)) + elements + FIXED_BYTES  # + one bool per element compared
     spare = spare_bytes(torch.device(device))

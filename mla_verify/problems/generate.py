@@ -86,6 +86,12 @@ class ProblemSpec:
     def total_tokens(self) -> int:
         return sum(self.seq_lens)
 
+    @property
+    def pool_pages(self) -> int:
+        """The pages of the pool ``build_problem`` makes: every sequence's, the unused ones, and at least one (a
+        batch of empty requests still has a NaN pool)."""
+        return max(1, sum(-(-n // self.page_size) for n in self.seq_lens) + self.extra_pages)
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["seq_lens"] = list(self.seq_lens)
@@ -176,7 +182,7 @@ def build_problem(spec: ProblemSpec, device: torch.device | str = "cpu") -> Deco
     lens = torch.tensor(spec.seq_lens, dtype=torch.int32, device=device)
     pages_needed = page_counts(lens, page).tolist()
     used = sum(pages_needed)
-    P = max(1, used + spec.extra_pages)  # a batch of empty requests still has a (NaN) pool
+    P = spec.pool_pages
     order = torch.randperm(P, generator=gen, device=device) if spec.shuffle_pages else torch.arange(P, device=device)
     W = max(1, max(pages_needed) + spec.table_pad)
     table = _padding(spec.pad_fill, (B, W), P, gen, device)
