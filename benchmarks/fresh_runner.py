@@ -9,6 +9,8 @@ first:
              cache keeps it: GNU tar in POSIX (pax) format, as actions/cache packs, its absolute path kept
   restored   the same command after the workspace is deleted and the tarball unpacked at the same path, the
              compute cache left empty (docs/pytest.md, "What a CI cache must keep")
+  profile    the restored command again under cProfile (the parent process: where it waits for its workers,
+             draws, judges); profile.prof and its 40 costliest calls by cumulative time, profile.txt
   cudainit   isolated runs from processes that initialised CUDA as Python started (a sitecustomize calling
              torch.cuda.init(), which the fork server runs too), on the restored cache: `check --backend fa3
              --device cuda`, and `pytest -n 2 --mla-kernel cli_kernels:needs_cuda --mla-device cuda`
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
+import pstats
 import re
 import shutil
 import subprocess
@@ -41,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PHASES = ("nocache", "restored", "cudainit", "moved", "reinstalled", "fuzz")
+PHASES = ("nocache", "restored", "profile", "cudainit", "moved", "reinstalled", "fuzz")
 CHECK = [sys.executable, "-m", "mla_verify.cli", "check", "--device", "cuda"]
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 VERDICT = re.compile(r"^\S+: (PASS|FAIL|SKIP) -- ")  # a backend's summary line (cli/main.py, _summary_line)
@@ -95,15 +99,16 @@ def reinstalled_flashinfer() -> Iterator[None]:
 
 
 def timed(command: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> dict[str, Any]:
-    """Runs ``command``, its output to ``log``; its summary lines with the second each appeared at."""
+    """Runs ``command``, its output to ``log`` (each line after the second it appeared at); its summary lines
+    with those seconds."""
     began = time.perf_counter()
     lines: list[tuple[float, str]] = []
     with log.open("w") as out, subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT, text=True) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
-            out.write(line)
             lines.append((round(time.perf_counter() - began, 1), line.rstrip("\n")))
+            out.write(f"{lines[-1][0]:7.1f} s  {line}")  # every line with the second it appeared at
     seconds = round(time.perf_counter() - began, 1)
     verdicts = [t for t, ln in lines if VERDICT.match(ln)]
     print(f"{log.stem}: rc {proc.returncode} in {seconds} s"
@@ -122,6 +127,18 @@ def phase_check(work: Path, out: Path, name: str, env: dict[str, str], *argv: st
         run = json.loads(report.read_text())["run"]
         result.update(warmup=run.get("warmup"), warmup_s=run.get("warmup_s"), throughput=run.get("throughput"))
     return result
+
+
+def phase_profile(work: Path, out: Path) -> dict[str, Any]:
+    unpack = restore(work, Path("/"))
+    prof = out / "profile.prof"
+    result = timed([sys.executable, "-m", "cProfile", "-o", str(prof), *CHECK[1:], "--fixtures-dir",
+                    str(work / "reg")], caches(work), out / "profile.log")
+    if prof.exists():
+        text = io.StringIO()
+        pstats.Stats(str(prof), stream=text).sort_stats("cumulative").print_stats(40)
+        (out / "profile.txt").write_text(text.getvalue())
+    return {"unpack_s": unpack, **result}
 
 
 def phase_cudainit(work: Path, out: Path) -> dict[str, Any]:
@@ -179,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "nocache": lambda: phase_check(work, ns.out, "nocache", caches(work)),
         "restored": lambda: {"unpack_s": restore(work, Path("/")),
                              **phase_check(work, ns.out, "restored", caches(work))},
+        "profile": lambda: phase_profile(work, ns.out),
         "cudainit": lambda: phase_cudainit(work, ns.out),
         "moved": lambda: {"unpack_s": restore(work, work / "moved"),
                           **phase_check(work, ns.out, "moved", caches(work, work / "moved" / work.relative_to("/")))},
@@ -194,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "nocache":
             record["cache_tarball"] = pack(work)
         record_path.write_text(json.dumps(record, indent=1))  # after each phase: a run cut short keeps them
-    runs = {p: record[p] for p in ("nocache", "restored", "moved", "reinstalled", "fuzz") if p in record}
+    runs = {p: record[p] for p in ("nocache", "restored", "profile", "moved", "reinstalled", "fuzz") if p in record}
     runs.update((f"cudainit {k}", v) for k, v in record.get("cudainit", {}).items())
     for name, run in runs.items():
         print(f"{name}: rc {run['rc']}, {run['seconds']} s, first verdict at {run['first_verdict_s']} s")
