@@ -179,6 +179,7 @@ def test_a_batch_of_empty_requests_is_sized_by_the_one_page_its_pool_has() -> No
     spec = ProblemSpec((0, 0), num_heads=2, page_size=64, extra_pages=0)
     assert spec.pool_pages == build_problem(spec).num_pages == 1
     reason = large_pool_reason(spec, LayoutSpec(), torch.device("cpu"))
+    # the one page goes first past 2^32 elements (high_page_ids): 2^32 bf16 values and a page, 8.0 GiB
     assert reason is not None and "need a 8.0 GiB pool" in reason and "a CPU run" in reason
 
 
