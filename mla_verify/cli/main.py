@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -212,6 +213,14 @@ def cmd_check(ns: argparse.Namespace) -> int:
     for judge in judges.values():
         judge.launch()
     warmup = None
+
+    def tell_warmup(now: bool = False) -> None:
+        """The warm-up's line, once: when it is over (``now``: waited for)."""
+        nonlocal warmup
+        if warmup is None and (now or warming.done()):
+            warmup = warming.wait()
+            _print_warmup("warm-up", warmup)
+
     if seed is not None:
         print(f"seed: {seed}" + ("" if ns.seed is not None else f" (fresh for this run; --seed {seed} draws the same "
                                                                  "cases again)"), flush=True)
@@ -222,44 +231,49 @@ def cmd_check(ns: argparse.Namespace) -> int:
     try:
         selfcheck = reference_selfcheck(device, seed=seed or 0)
         print(f"reference self-check: {selfcheck.describe()}", flush=True)
-        results = []
         for backend, reason in backends:
             if reason is not None:
                 print(f"skipped {backend.name}: {reason}", flush=True)
-        for backend, reason in backends:
-            if warmup is None and (how != ISOLATED or warming.done()):  # loaded here before the first case
-                warmup = warming.wait()
-                _print_warmup("warm-up", warmup)
-            if reason is not None:
-                results.append(verify(backend, device, profile))  # records the backend as unavailable
-                continue
-            if how == IN_PROCESS:
-                print(in_flight_note(in_flight), flush=True)
-            with Progress(backend.name, ns.minutes or profile.minutes,
-                          _planned_cases(backend, device, profile, ns.max_examples, len(given))) as progress:
-                def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
-                    if how == IN_PROCESS:  # write-ahead: a crash that takes this process leaves the case behind
-                        record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform,
-                                         device, backend.source)
-                    progress.start(case)
+        options = dict(seed=seed, max_examples=ns.max_examples, minutes=ns.minutes, database=database,
+                       kernel_seconds=ns.case_timeout, given_cases=given)
+        planned = {b.name: _planned_cases(b, device, profile, ns.max_examples, len(given)) for b in runnable}
+        minutes = ns.minutes or profile.minutes
+        if how == ISOLATED and len(runnable) > 1 and all(g.problem is None for g in given):
+            # each backend's worker is warm or warming: judged side by side, the run ends near its slowest
+            # backend's time (a user's case that stores its tensors is judged in this process: one at a time)
+            print(f"judging {len(runnable)} backends side by side: {', '.join(b.name for b in runnable)}", flush=True)
+            judged = judged_side_by_side(runnable, device, profile, planned, minutes, judges, options, tell_warmup)
+        else:
+            judged = {}
+            for backend in runnable:
+                tell_warmup(now=how != ISOLATED)  # loaded here before the first case
+                if how == IN_PROCESS:
+                    print(in_flight_note(in_flight), flush=True)
+                with Progress(backend.name, minutes, planned[backend.name]) as progress:
+                    def starting(case: Any, backend: Any = backend, progress: Any = progress) -> None:
+                        if how == IN_PROCESS:  # write-ahead: a crash that takes this process leaves the case behind
+                            record_in_flight(ns.fixtures_dir, backend.name, case.spec, case.layout, case.transform,
+                                             device, backend.source)
+                        progress.start(case)
 
-                result = search(backend, device, profile, how, seed=seed, max_examples=ns.max_examples,
-                                minutes=ns.minutes, database=database, on_case=progress.update,
-                                on_start=starting, kernel_seconds=ns.case_timeout, judge=judges.get(backend.name),
-                                given_cases=given)
-            in_flight.unlink(missing_ok=True)
-            _print_backend_result(result)
-            results.append(result)
-            if result.interrupted:
-                print(f"interrupted: the report holds the cases judged until then; "
-                      f"{len(backends) - len(results)} backend(s) not run", flush=True)
-                break
+                    result = search(backend, device, profile, how, on_case=progress.update, on_start=starting,
+                                    judge=judges.get(backend.name), **options)
+                in_flight.unlink(missing_ok=True)
+                _print_backend_result(result)
+                judged[backend.name] = result
+                if result.interrupted:
+                    break
+        # in the order given; a backend that cannot run here is recorded as unavailable
+        results = [verify(b, device, profile) if reason is not None else judged[b.name] for b, reason in backends
+                   if reason is not None or b.name in judged]
+        if any(r.interrupted for r in results):
+            print(f"interrupted: the report holds the cases judged until then; "
+                  f"{len(runnable) - len(judged)} backend(s) not run", flush=True)
     finally:
         for judge in judges.values():  # those of backends not run (an interruption, an error)
             judge.close()
-    if warmup is None:
-        warmup = warming.wait()
-        _print_warmup("warm-up", warmup)
+    tell_warmup(now=True)
+    assert warmup is not None  # waited for, just above
 
     fixtures = {}
     sources = {b.name: b.source for b, _ in backends}
@@ -293,6 +307,36 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if interrupted:
         return EXIT_INTERRUPTED
     return EXIT_DISCREPANCY if failed else EXIT_OK
+
+
+def judged_side_by_side(runnable: list[Any], device: torch.device, profile: Any, planned: dict[str, int | None],
+                        minutes: float | None, judges: dict[str, Any], options: dict[str, Any],
+                        idle: Callable[[], None]) -> dict[str, Any]:
+    """Every backend of ``runnable`` judged at once, each in its isolated worker (run/side_by_side.py), its
+    summary printed as it ends; the results of those that ran, by name."""
+    from ..draw.strategies import budget_for
+    from ..kinds import kind_named
+    from ..run.progress import Progress
+    from ..run.side_by_side import Ledgered, lanes_for, ledger_for, side_by_side
+    from ..run.supervise import ISOLATED, search
+
+    ledger = ledger_for(device)
+    budgets = {b.name: budget_for(device) for b in runnable}  # before any case: as the first one's alone
+
+    def searching(backend: Any) -> Callable[[threading.Event], Any]:
+        judge = judges[backend.name]
+        if ledger is not None:
+            judge = Ledgered(judge, kind_named(backend.kind), ledger)
+
+        def run(stop: threading.Event) -> Any:
+            with Progress(backend.name, minutes, planned[backend.name], redraw=False) as progress:
+                return search(backend, device, profile, ISOLATED, on_case=progress.update, on_start=progress.start,
+                              judge=judge, budget=budgets[backend.name], stop=stop, **options)
+        return run
+
+    results = side_by_side([searching(b) for b in runnable], lanes_for(device, len(runnable)),
+                           _print_backend_result, idle)
+    return {b.name: r for b, r in zip(runnable, results, strict=True) if r is not None}
 
 
 def _print_backend_result(result: Any) -> None:

@@ -25,6 +25,10 @@ BYTES_PER_TOKEN = 16 << 10
 # float32 results and the kernel's bf16 outputs (~8 KB).
 BYTES_PER_ROW = 64 << 10
 FIXED_BYTES = 512 << 20  # a backend's workspace (128 MiB) and the allocator's own slack
+# A case worker gives its allocator's cached blocks back after a case once they hold more than this: another
+# worker's case may need them (backends judged side by side, run/side_by_side.py), and re-allocating the blocks
+# of a case this large costs far less than judging it. Below it, the next cases reuse them.
+RELEASE_ABOVE = 256 << 20
 SHARE_OF_FREE = 0.5  # of the free memory at start, divided among the processes sharing the device
 SHARERS_ENV = "MLA_VERIFY_DEVICE_SHARERS"  # override: how many processes share this device
 
@@ -50,10 +54,17 @@ def device_fault(exc: BaseException) -> str | None:
     return None
 
 
-def release_cached(device: torch.device) -> None:
-    """Give the allocator's cached blocks back after an OOM, so other processes on the GPU can have them."""
-    if device.type == "cuda":
+def release_cached(device: torch.device, above: int = 0) -> None:
+    """Give the allocator's cached blocks back (after an OOM; after a case, once they hold more than ``above``
+    bytes), so other processes on the GPU can have them."""
+    if device.type == "cuda" and torch.cuda.memory_reserved(device) > above:
         torch.cuda.empty_cache()
+
+
+def case_bytes(tokens: int, rows: int) -> int:
+    """At most the device memory one case of ``tokens`` cached tokens and ``rows`` output rows takes at its peak,
+    its backend's workspace aside (FIXED_BYTES: once per worker)."""
+    return tokens * BYTES_PER_TOKEN + rows * BYTES_PER_ROW
 
 
 def device_sharers(environ: dict[str, str] | None = None) -> int:
@@ -77,9 +88,16 @@ def memory_budget(device: torch.device, max_tokens: int, max_rows: int) -> tuple
     similar machine)."""
     if device.type != "cuda":
         return max_tokens, max_rows
-    free, _ = torch.cuda.mem_get_info(device)
-    half = (SHARE_OF_FREE * free / device_sharers() - FIXED_BYTES) / 2
+    half = (case_share(device) - FIXED_BYTES) / 2
     return _power_of_two(half / BYTES_PER_TOKEN, max_tokens), _power_of_two(half / BYTES_PER_ROW, max_rows)
+
+
+def case_share(device: torch.device) -> float:
+    """The device memory one case may take (a CUDA device): this process's share of the half of the memory free
+    now. memory_budget sizes the cases a run draws from it; run/side_by_side.py lets the cases in flight beside
+    each other hold no more than it together."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return SHARE_OF_FREE * free / device_sharers()
 
 
 def spare_bytes(device: torch.device) -> int:

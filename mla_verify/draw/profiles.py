@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import secrets
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from random import Random
 from typing import Any
@@ -89,13 +90,32 @@ def hypothesis_settings(profile: Profile, max_examples: int | None,
     )
 
 
+class _Shared:
+    """A change to Hypothesis's process-wide state held while any search needs it: searches of several backends
+    run side by side, in threads (run/side_by_side.py), so the first to enter makes the change and the last to
+    leave undoes it."""
+
+    def __init__(self, change: Callable[[], AbstractContextManager[None]]) -> None:
+        self._change, self._lock, self._holders = change, threading.Lock(), 0
+        self._undo = ExitStack()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                self._undo.enter_context(self._change())
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    self._undo.close()
+
+
 @contextmanager
-def hypothesis_storage() -> Iterator[None]:
-    """Hypothesis caches the constants in the source of every local module under its storage directory
-    (``./.hypothesis`` by default) as it draws. The engine keeps no example database there (it has none or
-    the one named), so a run must leave nothing in the user's directory: for the run the cache goes to a
-    temporary directory, then Hypothesis's default (``HYPOTHESIS_STORAGE_DIRECTORY``, else ./.hypothesis)
-    is back for the user's own Hypothesis tests."""
+def _scratch_storage() -> Iterator[None]:
     with tempfile.TemporaryDirectory(prefix="mla-verify-hypothesis-") as scratch:
         set_hypothesis_home_dir(scratch)
         try:
@@ -105,16 +125,11 @@ def hypothesis_storage() -> Iterator[None]:
 
 
 @contextmanager
-def draws_free_of_local_source(seeded: bool) -> Iterator[None]:
-    """Hypothesis mixes literals found in the source of local (not installed) modules into what it draws:
-    mla-verify's own when it is installed editable, the user's kernel file. A seeded run's cases would then
-    depend on how mla-verify was installed and on every literal in the kernel's file, so a seeded run draws
-    with no local constants (Hypothesis's built-in constants stay). This reaches into Hypothesis's internals;
-    where they have moved nothing changes, and tests/test_engine.py's test of this property fails."""
+def _no_local_constants() -> Iterator[None]:
     original = getattr(providers, "_get_local_constants", None)
     cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)  # (built-in, local) per draw kind
     constants = getattr(providers, "Constants", None)
-    if not seeded or original is None or cache is None or constants is None:
+    if original is None or cache is None or constants is None:
         yield
         return
     none_local = constants()
@@ -125,6 +140,27 @@ def draws_free_of_local_source(seeded: bool) -> Iterator[None]:
     finally:
         providers._get_local_constants = original
         cache.clear()
+
+
+_storage, _constants = _Shared(_scratch_storage), _Shared(_no_local_constants)
+
+
+def hypothesis_storage() -> AbstractContextManager[None]:
+    """Hypothesis caches the constants in the source of every local module under its storage directory
+    (``./.hypothesis`` by default) as it draws. The engine keeps no example database there (it has none or
+    the one named), so a run must leave nothing in the user's directory: for the run the cache goes to a
+    temporary directory, then Hypothesis's default (``HYPOTHESIS_STORAGE_DIRECTORY``, else ./.hypothesis)
+    is back for the user's own Hypothesis tests."""
+    return _storage.held()
+
+
+def draws_free_of_local_source(seeded: bool) -> AbstractContextManager[None]:
+    """Hypothesis mixes literals found in the source of local (not installed) modules into what it draws:
+    mla-verify's own when it is installed editable, the user's kernel file. A seeded run's cases would then
+    depend on how mla-verify was installed and on every literal in the kernel's file, so a seeded run draws
+    with no local constants (Hypothesis's built-in constants stay). This reaches into Hypothesis's internals;
+    where they have moved nothing changes, and tests/test_engine.py's test of this property fails."""
+    return _constants.held() if seeded else nullcontext()
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from ..core.memory import case_bytes
 from ..draw.strategies import Budget, Case
 from ..judge.compare import ErrorStats, compare
 from ..judge.explains import Rerun
@@ -36,12 +37,14 @@ class Relation:
     ``bits``: a deterministic kernel gives the very same bits (the change moves data, not arithmetic) -- judged so
     where its backend claims them (``Backend.claims_bits``) --, else its output is judged by the tolerance model
     against the original problem's reference. ``why_not(spec, layout, device)``: why this device cannot check it
-    (the memory it needs), before anything runs; None: it can."""
+    (the memory it needs), before anything runs; None: it can. ``extra_bytes(spec, layout)``: the device memory
+    it needs beyond the problem's own, where that is more than the problem's (None: no more)."""
 
     description: str
     apply: Callable[[Any, int], tuple[Any, Unmap]]
     bits: bool = True
     why_not: Callable[[Any, LayoutSpec, torch.device], str | None] | None = None
+    extra_bytes: Callable[[Any, LayoutSpec], int] | None = None
 
 
 class ProblemKind(ABC):
@@ -99,6 +102,13 @@ class ProblemKind(ABC):
     def footprint(self, spec: Any) -> tuple[int, int]:
         """(cached tokens, output rows) of ``spec``: what its memory grows with (an out-of-memory skip halves
         both for the rest of the run, draw/strategies.py's ``Budget``)."""
+
+    def device_bytes(self, case: Case) -> int:
+        """At most the device memory judging ``case`` takes at its peak: its problem's (core/memory.py's costs
+        per cached token and output row) and its relation's own (the large pool's)."""
+        relation = self.relations.get(case.transform)
+        extra = relation.extra_bytes if relation is not None else None
+        return case_bytes(*self.footprint(case.spec)) + (0 if extra is None else extra(case.spec, case.layout))
 
     @abstractmethod
     def diagnose(self, problem: Any, out: torch.Tensor, lse: torch.Tensor | None, lse_base: float,

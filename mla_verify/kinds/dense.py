@@ -41,16 +41,27 @@ def _relation(name: str) -> Relation:
     """A deterministic kernel keeps its bits under each (judged so where its backend claims them); the large pool's
     is checked only where the device has its memory."""
     return Relation(metamorphic.DESCRIPTIONS[name], lambda p, seed: metamorphic.transform(p, name, seed),
-                    why_not=large_pool_reason if name == metamorphic.LARGE_POOL else None)
+                    why_not=large_pool_reason if name == metamorphic.LARGE_POOL else None,
+                    extra_bytes=large_pool_bytes if name == metamorphic.LARGE_POOL else None)
+
+
+def _large_pool_elements(spec: ProblemSpec) -> int:
+    stride = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+    return metamorphic.large_pool_elements(spec.pool_pages, stride)
+
+
+def large_pool_bytes(spec: ProblemSpec, layout: LayoutSpec) -> int:
+    """The device memory ``spec``'s pages past 2^32 elements take: the pool (4-8 GiB), its input snapshot, a
+    strided layout's copy and the bit comparison's mask (one bool per element)."""
+    elements = _large_pool_elements(spec)
+    return elements * DTYPES[spec.dtype].itemsize * (2 + (layout.page_stride_pad > 0)) + elements
 
 
 def large_pool_reason(spec: ProblemSpec, layout: LayoutSpec, device: torch.device) -> str | None:
-    """Why ``device`` cannot check ``spec``'s pages past 2^32 elements: the pool (4-8 GiB), its input snapshot, a
-    strided layout's copy and the bit comparison's mask must fit this process's share of its free memory."""
-    stride = spec.page_size * (spec.kv_lora_rank + spec.qk_rope_head_dim)
-    elements = metamorphic.large_pool_elements(spec.pool_pages, stride)
-    pool = elements * DTYPES[spec.dtype].itemsize
-    need = pool * (2 + (layout.page_stride_pad > 0)) + elements + FIXED_BYTES  # + one bool per element compared
+    """Why ``device`` cannot check ``spec``'s pages past 2^32 elements: they must fit this process's share of its
+    free memory (large_pool_bytes)."""
+    pool = _large_pool_elements(spec) * DTYPES[spec.dtype].itemsize
+    need = large_pool_bytes(spec, layout) + FIXED_BYTES
     spare = spare_bytes(torch.device(device))
     if spare >= need:
         return None

@@ -24,13 +24,15 @@ process, a CUDA error that leaves the device unusable fails its case as a crash 
 copy or its device: a seeded search retraces itself, an unseeded one is handed the case, ``found``). The
 worker warms up before the first case and after each restart (isolate.py); that time is the run's warm-up
 (``EngineResult.warmup``), left out of its seconds and its minutes, as the caller's warm-up before an
-in-process run is. Ctrl-C ends the search and returns what was judged so far (``EngineResult.interrupted``).
+in-process run is. Ctrl-C ends the search and returns what was judged so far (``EngineResult.interrupted``); a
+search in a thread Ctrl-C does not reach (side_by_side.py) ends so at its next case once its ``stop`` is set.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,11 +127,14 @@ class _Clock:
     """The run's deadline, and the time spent drawing."""
 
     deadline: float | None
+    stop: threading.Event | None = None  # set: Ctrl-C reached the run (side_by_side.py), this search ends
     drawing_since: float = 0.0
     draw_seconds: float = 0.0
     expired: bool = False
 
     def check(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise KeyboardInterrupt  # as Ctrl-C in the thread it reached ends a search
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.expired = True
             raise _Stop("time up")
@@ -162,7 +167,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
            on_start: Callable[[Case], None] | None = None,
            kernel_seconds: float | None = DEFAULT_KERNEL_SECONDS,
            budget: Budget | None = None, isolate: bool = False, judge: CaseJudge | None = None,
-           found: Found | None = None, given_cases: Sequence[GivenCase] = ()) -> EngineResult:
+           found: Found | None = None, given_cases: Sequence[GivenCase] = (),
+           stop: threading.Event | None = None) -> EngineResult:
     """Judge ``backend`` on ``device``. ``on_start``/``on_case`` are called before and after each case;
     ``kernel_seconds`` limits each kernel call (None: no limit); ``budget`` overrides the device's;
     ``isolate`` judges each case in a worker process; ``judge``: the one ``case_judge`` made for these arguments,
@@ -171,7 +177,8 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     retrace (supervise.py): with its choice sequence and a ``database``, Hypothesis replays it first (then
     shrinks it, as any failure it finds); else it is this run's failure, made smaller and replayed as a failing
     corner case is, and nothing is drawn. ``given_cases``: the user's own cases, those of the backend's kind
-    judged first."""
+    judged first. ``stop``: once set, the search ends before its next case as Ctrl-C ends it (a search run in
+    another thread than the one Ctrl-C reaches: side_by_side.py)."""
     device = torch.device(device)
     prof = get_profile(profile) if isinstance(profile, str) else profile
     seed = run_seed(prof, seed)
@@ -186,7 +193,7 @@ def verify(backend: Backend, device: torch.device | str, profile: str | Profile 
     budget = budget if budget is not None else budget_for(device)
     kind = kind_named(backend.kind)
     minutes = prof.minutes if minutes is None else minutes
-    clock = _Clock(None if minutes is None else started + 60.0 * minutes)
+    clock = _Clock(None if minutes is None else started + 60.0 * minutes, stop)
     if judge is None:  # a worker left by an exception ends at exit
         judge = case_judge(backend, device, kernel_seconds, isolate)
     began = time.monotonic()
@@ -383,6 +390,8 @@ def _search(backend: Backend, kind: ProblemKind, prof: Profile, max_examples: in
         # the minimal failure did not fail again, which _replayed says
         if clock.expired:
             raise _Stop("time up") from None
+        if clock.stop is not None and clock.stop.is_set():
+            raise KeyboardInterrupt from None
 
 
 def _simplified(backend: Backend, kind: ProblemKind, failure: CaseResult, clock: _Clock,

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
@@ -49,6 +50,7 @@ from safetensors.torch import save as st_save
 
 from ..backends import Backend
 from ..core.errors import FixtureError, MLAVerifyError, ProblemError, UsageError
+from ..core.memory import RELEASE_ABOVE, release_cached
 from ..core.tracebacks import exception_line
 from ..fib.solution import loaded_backend
 from ..judge.compare import ErrorStats
@@ -204,6 +206,10 @@ class _Worker:
 
     def launch(self) -> None:
         """A worker starting now, if none is running; ``start`` waits for it."""
+        with _launching:  # one at a time: a start changes this process's path and environment for a moment
+            self._launch()
+
+    def _launch(self) -> None:
         if self._process is None:
             context = multiprocessing.get_context("fork") if self.fork else _start_method.context()
             conn, child = context.Pipe()
@@ -301,6 +307,7 @@ class _StartMethod:
 
 
 _start_method = _StartMethod()
+_launching = threading.Lock()  # backends judged side by side start (and restart) their workers from their threads
 
 
 @contextlib.contextmanager
@@ -453,6 +460,8 @@ def _serve(conn: Connection, load: Callable[[], Backend], device: str, threads: 
         except Exception as exc:  # noqa: BLE001 - sent to the parent, which raises it as its own
             _send(conn, {"internal": exception_line(exc)})
             return
+        if not header["context_lost"]:  # before the verdict: once it is in, another worker may take the memory
+            release_cached(torch.device(device), RELEASE_ABOVE)
         _send(conn, header, tensors)
         if header["context_lost"]:
             return

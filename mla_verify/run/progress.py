@@ -22,9 +22,12 @@ class Progress:
 
     REDRAW_S = 0.1
 
-    def __init__(self, name: str, minutes: float | None, total: int | None = None, stream: TextIO | None = None):
+    def __init__(self, name: str, minutes: float | None, total: int | None = None, stream: TextIO | None = None,
+                 redraw: bool = True):
+        """``redraw`` False: lines as in a log on a terminal too (backends judged side by side, run/side_by_side.py,
+        have one each, and cannot share one redrawn line)."""
         self.stream = stream or sys.stderr
-        self.live = self.stream.isatty()
+        self.live = redraw and self.stream.isatty()
         self.name, self.minutes, self.total = name, minutes, total
         self.counts = {"pass": 0, "fail": 0, "skip": 0}
         self.seen: set[str] = set()  # ids of the cases counted
