@@ -170,7 +170,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from ..records.report import build_report, check_report_path, write_report
     from ..run import stage_times, watchdog
     from ..run.engine import verify
-    from ..run.isolate import case_judge
+    from ..run.isolate import case_judge, start_fork_server
     from ..run.progress import Progress
     from ..run.supervise import IN_PROCESS, ISOLATED, how_to_run, search
     from ..run.warmup import start_warm_up
@@ -195,12 +195,14 @@ def cmd_check(ns: argparse.Namespace) -> int:
     if ns.convention and not ns.kernel:
         raise UsageError("--convention names the calling convention of --kernel callables: give one with --kernel")
     check_fib_arguments(ns)
+    how = how_to_run(ns.isolate, device)
+    if how == ISOLATED:  # its imports run while the backends are chosen and their modules declared
+        start_fork_server()
     backends: list[tuple[Any, str | None]]
     if ns.fib_solution is not None:
         backends = [(fib_solution_backend(ns, device), None)]
     else:
         backends = _select_backends(ns.kernel, ns.backend, device, ns.convention)
-    how = how_to_run(ns.isolate, device)
     in_flight = in_flight_path(ns.fixtures_dir)
 
     started = time.monotonic()

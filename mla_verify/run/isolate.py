@@ -33,6 +33,7 @@ import faulthandler
 import functools
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -308,6 +309,16 @@ class _StartMethod:
 
 _start_method = _StartMethod()
 _launching = threading.Lock()  # backends judged side by side start (and restart) their workers from their threads
+
+
+def start_fork_server() -> None:
+    """The fork server started now, where workers fork from one: its imports (torch and this package, seconds
+    on a GPU host) then overlap what this process does before its first worker starts (check: choosing the
+    backends, declaring and building their modules) instead of delaying that worker."""
+    context = _start_method.context()
+    if context.get_start_method() == "forkserver":
+        with _launching, _this_package_first():
+            multiprocessing.forkserver.ensure_running()
 
 
 @contextlib.contextmanager
