@@ -21,7 +21,8 @@ from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.metamorphic import LARGE_POOL
 from mla_verify.run.engine import EngineResult
-from mla_verify.run.side_by_side import DeviceLedger, side_by_side
+from mla_verify.run.harness import SKIP_MEMORY, CaseResult
+from mla_verify.run.side_by_side import DeviceLedger, Ledgered, side_by_side
 
 KERNELS = ("cli_kernels:good", "cli_kernels:wrong_scale")
 
@@ -122,3 +123,34 @@ def test_an_error_in_one_search_stops_the_others_and_is_raised_once_they_end():
     with pytest.raises(RuntimeError, match="could not start"):
         side_by_side([waiting, failing], lanes=2, on_done=lambda r: None)
     assert len(ended) == 1  # the other search ended before the error was raised here
+
+
+class _Kind:
+    def device_bytes(self, case):
+        return 1
+
+
+def _judge_short_of_memory_beside_others(ledger, always=False):
+    """A backend whose cases run out of memory while another case is in flight (or ``always``)."""
+    def judge(spec, layout, transform, diagnose):
+        crowded = ledger.in_flight > 1
+        time.sleep(0.1)  # long enough for the other thread's case to be in flight too
+        short = always or crowded
+        return CaseResult("k", spec, layout, transform, "skip" if short else "pass",
+                          skip_kind=SKIP_MEMORY if short else None, reason="out of memory" if short else "")
+    return judge
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_case_out_of_memory_beside_others_is_judged_again_alone(always):
+    ledger = DeviceLedger(capacity=10)  # room for both: the estimate lets them run together
+    judged = Ledgered(_judge_short_of_memory_beside_others(ledger, always), _Kind(), ledger)
+    results: list[CaseResult] = []
+    threads = [threading.Thread(target=lambda: results.append(judged(ProblemSpec(seq_lens=(4,)), LayoutSpec(), "none", False)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # alone it passes, as a run of that backend alone judges it; short of memory alone too, it stays a skip
+    assert [r.skip_kind for r in results] == [SKIP_MEMORY if always else None] * 2

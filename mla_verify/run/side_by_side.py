@@ -12,7 +12,9 @@ Judged side by side, a backend is judged as it is alone:
   memory (``ProblemKind.device_bytes``) in a ``DeviceLedger`` while it is judged, which lets the cases in flight
   hold no more than one case may take alone (core/memory.case_share); a case waits, in turn, until it fits
   beside them, and the largest run alone. A worker gives its cached blocks back after each case
-  (core/memory.RELEASE_ABOVE), so that what a case held is free for the next.
+  (core/memory.RELEASE_ABOVE), so that what a case held is free for the next. The estimate is the suite's
+  memory, not the kernel's: a case that runs out of memory beside others is judged again alone, and only then
+  is its verdict the out-of-memory skip a run of that backend alone gives.
 On a CPU at most as many searches run at once as this process has cores (each worker computes on one thread).
 
 Ctrl-C reaches the calling thread only: it sets every search's stop, each ends after its case in flight, and
@@ -39,7 +41,7 @@ from ..draw.strategies import Case
 from ..kinds import ProblemKind
 from ..problems.layouts import LayoutSpec
 from .engine import EngineResult
-from .harness import CaseResult
+from .harness import SKIP_MEMORY, CaseResult
 from .isolate import CaseJudge
 from .warmup import WarmupResult
 
@@ -54,13 +56,17 @@ class DeviceLedger:
 
     def __init__(self, capacity: float) -> None:
         self.capacity = capacity
-        self.held = 0
+        self.held = 0.0
         self.in_flight = 0
         self._turns: collections.deque[object] = collections.deque()
         self._changed = threading.Condition()
 
+    def alone(self) -> contextlib.AbstractContextManager[None]:
+        """Held while no other case is in flight: more than the ledger holds waits for an empty one and fills it."""
+        return self.holding(self.capacity + 1)
+
     @contextlib.contextmanager
-    def holding(self, nbytes: int) -> Iterator[None]:
+    def holding(self, nbytes: float) -> Iterator[None]:
         turn = object()
         with self._changed:
             self._turns.append(turn)
@@ -87,6 +93,12 @@ class Ledgered:
 
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         with self.ledger.holding(self.kind.device_bytes(Case(spec, layout, transform))):
+            result = self.judge(spec, layout, transform, diagnose)
+        if result.skip_kind != SKIP_MEMORY:
+            return result
+        # the estimate is the suite's memory, not the kernel's (a PyTorch kernel may take more): out of memory
+        # beside other cases, it is judged again alone, as it would be with the backends judged in turn
+        with self.ledger.alone():
             return self.judge(spec, layout, transform, diagnose)
 
     def launch(self) -> None:
