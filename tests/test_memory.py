@@ -30,6 +30,10 @@ def cuda_oom_kernel(*args, **kwargs):
     raise RuntimeError("CUDA error: out of memory")  # how a kernel's own failed allocation surfaces
 
 
+def cublas_oom_kernel(*args, **kwargs):  # a matmul whose cuBLAS workspace could not be allocated
+    raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+
 @pytest.mark.parametrize("stage", ["build", "reference", "baseline", "compare"])
 def test_oom_in_a_stage_of_the_suite_is_a_memory_skip(monkeypatch, stage):
     monkeypatch.setattr(*((harness, stage) if stage == "compare" else (DenseKind, stage)), oom)
@@ -50,7 +54,9 @@ class _OomPrepare(TrtllmStyleBackend):
 
 
 @pytest.mark.parametrize("backend", [_OomPrepare("oom-prepare", correct_kernel),
-                                     TrtllmStyleBackend("oom-kernel", cuda_oom_kernel)], ids=["prepare", "kernel"])
+                                     TrtllmStyleBackend("oom-kernel", cuda_oom_kernel),
+                                     TrtllmStyleBackend("cublas-kernel", cublas_oom_kernel)],
+                         ids=["prepare", "kernel", "cublas"])
 def test_oom_in_the_backend_is_a_memory_skip_not_a_failure(backend):
     r = run_case(backend, SPEC, LAYOUT, "cpu")
     assert (r.verdict, r.skip_kind) == ("skip", SKIP_MEMORY), r.failures

@@ -21,7 +21,7 @@ from mla_verify.problems.generate import ProblemSpec
 from mla_verify.problems.layouts import LayoutSpec
 from mla_verify.problems.metamorphic import LARGE_POOL
 from mla_verify.run.engine import EngineResult
-from mla_verify.run.harness import SKIP_MEMORY, CaseResult
+from mla_verify.run.harness import SKIP_DEVICE, SKIP_MEMORY, CaseResult
 from mla_verify.run.side_by_side import DeviceLedger, Ledgered, side_by_side
 
 KERNELS = ("cli_kernels:good", "cli_kernels:wrong_scale")
@@ -130,27 +130,31 @@ class _Kind:
         return 1
 
 
-def _judge_short_of_memory_beside_others(ledger, always=False):
-    """A backend whose cases run out of memory while another case is in flight (or ``always``)."""
+def _judge_short_of_memory_beside_others(ledger, skip_kind, always=False):
+    """A backend whose cases are ``skip_kind`` skips while another case is in flight (or ``always``)."""
     def judge(spec, layout, transform, diagnose):
         crowded = ledger.in_flight > 1
         time.sleep(0.1)  # long enough for the other thread's case to be in flight too
         short = always or crowded
         return CaseResult("k", spec, layout, transform, "skip" if short else "pass",
-                          skip_kind=SKIP_MEMORY if short else None, reason="out of memory" if short else "")
+                          skip_kind=skip_kind if short else "", reason="short of memory" if short else "")
     return judge
 
 
 @pytest.mark.parametrize("always", [False, True])
-def test_a_case_out_of_memory_beside_others_is_judged_again_alone(always):
+@pytest.mark.parametrize("skip_kind", [SKIP_MEMORY, SKIP_DEVICE])  # out of memory; no spare memory for the relation
+def test_a_case_short_of_memory_beside_others_is_judged_again_alone(always, skip_kind):
     ledger = DeviceLedger(capacity=10)  # room for both: the estimate lets them run together
-    judged = Ledgered(_judge_short_of_memory_beside_others(ledger, always), _Kind(), ledger)
+    judged = Ledgered(_judge_short_of_memory_beside_others(ledger, skip_kind, always), _Kind(), ledger)
     results: list[CaseResult] = []
-    threads = [threading.Thread(target=lambda: results.append(judged(ProblemSpec(seq_lens=(4,)), LayoutSpec(), "none", False)))
-               for _ in range(2)]
+
+    def judge_one() -> None:
+        results.append(judged(ProblemSpec(seq_lens=(4,)), LayoutSpec(), "none", False))
+
+    threads = [threading.Thread(target=judge_one) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     # alone it passes, as a run of that backend alone judges it; short of memory alone too, it stays a skip
-    assert [r.skip_kind for r in results] == [SKIP_MEMORY if always else None] * 2
+    assert [r.skip_kind for r in results] == [skip_kind if always else ""] * 2

@@ -34,11 +34,13 @@ SHARERS_ENV = "MLA_VERIFY_DEVICE_SHARERS"  # override: how many processes share 
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """torch's OutOfMemoryError, or a CUDA / allocator error that says it ran out of memory."""
+    """torch's OutOfMemoryError, or a CUDA / allocator error that says it ran out of memory (cuBLAS's when its
+    workspace cannot be allocated, as when other processes hold the device's memory)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "cudaerrormemoryallocation" in text)
+    return isinstance(exc, RuntimeError) and any(
+        words in text for words in ("out of memory", "cudaerrormemoryallocation", "cublas_status_alloc_failed"))
 
 
 def device_fault(exc: BaseException) -> str | None:

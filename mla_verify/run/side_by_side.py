@@ -13,8 +13,9 @@ Judged side by side, a backend is judged as it is alone:
   hold no more than one case may take alone (core/memory.case_share); a case waits, in turn, until it fits
   beside them, and the largest run alone. A worker gives its cached blocks back after each case
   (core/memory.RELEASE_ABOVE), so that what a case held is free for the next. The estimate is the suite's
-  memory, not the kernel's: a case that runs out of memory beside others is judged again alone, and only then
-  is its verdict the out-of-memory skip a run of that backend alone gives.
+  memory, not the kernel's: a case that runs out of memory beside others (or finds too little spare memory for
+  its relation, the large pool's) is judged again alone, and only then is its verdict the skip a run of that
+  backend alone gives.
 On a CPU at most as many searches run at once as this process has cores (each worker computes on one thread).
 
 Ctrl-C reaches the calling thread only: it sets every search's stop, each ends after its case in flight, and
@@ -41,7 +42,7 @@ from ..draw.strategies import Case
 from ..kinds import ProblemKind
 from ..problems.layouts import LayoutSpec
 from .engine import EngineResult
-from .harness import SKIP_MEMORY, CaseResult
+from .harness import SKIP_DEVICE, SKIP_MEMORY, CaseResult
 from .isolate import CaseJudge
 from .warmup import WarmupResult
 
@@ -94,10 +95,11 @@ class Ledgered:
     def __call__(self, spec: Any, layout: LayoutSpec, transform: str, diagnose: bool) -> CaseResult:
         with self.ledger.holding(self.kind.device_bytes(Case(spec, layout, transform))):
             result = self.judge(spec, layout, transform, diagnose)
-        if result.skip_kind != SKIP_MEMORY:
+        if result.skip_kind not in (SKIP_MEMORY, SKIP_DEVICE):
             return result
         # the estimate is the suite's memory, not the kernel's (a PyTorch kernel may take more): out of memory
-        # beside other cases, it is judged again alone, as it would be with the backends judged in turn
+        # beside other cases, or short of the spare memory a relation needs, it is judged again alone, as it
+        # would be with the backends judged in turn
         with self.ledger.alone():
             return self.judge(spec, layout, transform, diagnose)
 
