@@ -35,3 +35,14 @@ def test_a_revisited_case_counts_once_as_the_verdict_counts_it():
     verdict = count_verdicts(c.verdict for c in distinct_cases(EngineResult("fa3", "dev", 1, cases=ran)))
     assert progress.counts == verdict
     assert progress.line(progress.started).startswith(f"fa3: {sum(verdict.values())} distinct cases, 1 failing")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_backends_side_by_side_tell_their_counts_as_in_a_log_on_a_terminal_too():
+    # one redrawn line per backend would overwrite each other's: side by side each prints lines instead
+    assert Progress("fa3", minutes=None, stream=_Terminal()).live
+    assert not Progress("fa3", minutes=None, stream=_Terminal(), redraw=False).live
