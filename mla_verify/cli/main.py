@@ -244,7 +244,7 @@ def cmd_check(ns: argparse.Namespace) -> int:
             # each backend's worker is warm or warming: judged side by side, the run ends near its slowest
             # backend's time (a user's case that stores its tensors is judged in this process: one at a time)
             print(f"judging {len(runnable)} backends side by side: {', '.join(b.name for b in runnable)}", flush=True)
-            judged = judged_side_by_side(runnable, device, profile, planned, minutes, judges, options, tell_warmup)
+            judged = _judged_side_by_side(runnable, device, profile, planned, minutes, judges, options, tell_warmup)
         else:
             judged = {}
             for backend in runnable:
@@ -311,9 +311,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     return EXIT_DISCREPANCY if failed else EXIT_OK
 
 
-def judged_side_by_side(runnable: list[Any], device: torch.device, profile: Any, planned: dict[str, int | None],
-                        minutes: float | None, judges: dict[str, Any], options: dict[str, Any],
-                        idle: Callable[[], None]) -> dict[str, Any]:
+def _judged_side_by_side(runnable: list[Any], device: torch.device, profile: Any, planned: dict[str, int | None],
+                         minutes: float | None, judges: dict[str, Any], options: dict[str, Any],
+                         idle: Callable[[], None]) -> dict[str, Any]:
     """Every backend of ``runnable`` judged at once, each in its isolated worker (run/side_by_side.py), its
     summary printed as it ends; the results of those that ran, by name."""
     from ..draw.strategies import budget_for

@@ -38,7 +38,7 @@ class Relation:
     where its backend claims them (``Backend.claims_bits``) --, else its output is judged by the tolerance model
     against the original problem's reference. ``why_not(spec, layout, device)``: why this device cannot check it
     (the memory it needs), before anything runs; None: it can. ``extra_bytes(spec, layout)``: the device memory
-    it needs beyond the problem's own, where that is more than the problem's (None: no more)."""
+    it needs on top of the problem's own (None: nothing more; the large pool's: gigabytes)."""
 
     description: str
     apply: Callable[[Any, int], tuple[Any, Unmap]]
